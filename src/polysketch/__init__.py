@@ -1,0 +1,11 @@
+"""polysketch: linear-time kernelized attention.
+
+Layers (imports point down): ``cli``/``train``/``eval`` -> ``nn`` -> ``ops`` -> ``features``
+-> ``random``/``_checks``. See README.md for the tour.
+"""
+
+from . import features
+
+__version__ = "0.1.0"
+
+__all__ = ["features", "__version__"]

@@ -1,0 +1,6 @@
+"""``python -m polysketch ...`` (used by ``torchrun -m polysketch train ...``)."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

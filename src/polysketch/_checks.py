@@ -1,0 +1,141 @@
+"""Input validation for the public boundary.
+
+Every check raises ``ValueError`` or ``TypeError`` whose message names the offending
+argument, so that a user sees *which* input is wrong and why. No bare ``assert``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "check_int",
+    "check_positive_int",
+    "check_float",
+    "check_choice",
+    "check_tensor",
+    "check_feature_input",
+    "check_same_dtype_device",
+    "check_finite",
+    "compute_dtype",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_int(value, name: str, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an ``int``; raise ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        # numpy / torch integer scalars are accepted when they are integral
+        if hasattr(value, "__index__") and not isinstance(value, bool):
+            value = value.__index__()
+        else:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    """Return ``value`` as an ``int`` >= 1; raise naming ``name`` otherwise."""
+    return check_int(value, name, minimum=1)
+
+
+def check_float(
+    value,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    strict_minimum: bool = False,
+) -> float:
+    """Return ``value`` as a finite ``float`` within bounds; raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        else:
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None:
+        if strict_minimum and value <= minimum:
+            raise ValueError(f"{name} must be > {minimum}, got {value}")
+        if not strict_minimum and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_choice(value, name: str, choices: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``choices``; raise naming ``name`` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {list(choices)}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_tensor(
+    x,
+    name: str,
+    *,
+    min_dim: int = 1,
+    last_dim: int | None = None,
+    floating: bool = True,
+) -> torch.Tensor:
+    """Validate a tensor argument.
+
+    Args:
+        x: the value to check.
+        name: the argument name used in error messages.
+        min_dim: the least number of dimensions ``x`` must have.
+        last_dim: if given, the required size of ``x.shape[-1]``.
+        floating: require a floating-point dtype.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    if last_dim is not None and x.shape[-1] != last_dim:
+        raise ValueError(
+            f"{name} must have last dimension {last_dim}, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_feature_input(x, dim: int, name: str = "x") -> torch.Tensor:
+    """Validate the input of a feature map: a floating tensor of shape (..., dim)."""
+    return check_tensor(x, name, min_dim=1, last_dim=dim)
+
+
+def check_same_dtype_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Raise ``ValueError`` if two tensors differ in dtype or device."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(
+            f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}"
+        )
+
+
+def check_finite(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Raise ``ValueError`` if ``x`` holds NaN or Inf."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return x
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in for inputs of ``dtype``: fp32 for bf16/fp16, else ``dtype``.
+
+    This is the library-wide precision policy: half-precision inputs are computed with fp32
+    internals wherever overflow or cancellation threatens, and results are cast back.
+    """
+    return torch.float32 if dtype in _LOW_PRECISION else dtype

@@ -1,0 +1,1 @@
+"""Subcommands of the ``polysketch`` CLI, one module each (see ``polysketch.cli``)."""

@@ -1,0 +1,1 @@
+"""Corpora, tokenizer and the MQAR synthetic task."""

@@ -1,0 +1,1 @@
+"""Fidelity measurement, benchmarks and reports."""

@@ -1,0 +1,1 @@
+"""Attention layer and language model."""

@@ -1,0 +1,1 @@
+"""Sequence mixing on features (see README): exact references, chunked/cumsum/recurrent linear attention, mixed local+global."""

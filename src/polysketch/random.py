@@ -1,0 +1,92 @@
+"""Seeded randomness.
+
+Every random matrix or hash table in polysketch is drawn from an explicit ``seed`` or
+``torch.Generator`` on the CPU (so the same seed gives the same draw on every device) and
+then stored as a module buffer, which ``.to()`` moves and ``state_dict`` saves. Nothing is
+redrawn except by an explicit ``redraw_`` call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_int, check_positive_int
+
+__all__ = [
+    "make_generator",
+    "fresh_seed",
+    "gaussian",
+    "rademacher",
+    "randint",
+    "orthogonal_gaussian",
+]
+
+
+def fresh_seed(generator: torch.Generator | None = None) -> int:
+    """Draw a 63-bit seed from ``generator`` (or from torch's global RNG when ``None``)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
+def make_generator(seed: int | None = None, generator: torch.Generator | None = None) -> torch.Generator:
+    """Return a CPU ``torch.Generator`` from an explicit ``seed`` or ``generator``.
+
+    Exactly one source is used: ``generator`` if given (it must be a CPU generator; it is
+    returned as is, so successive draws advance it), else a new generator seeded with
+    ``seed``; if both are ``None`` the seed is drawn from torch's global RNG, so
+    ``torch.manual_seed`` makes the result reproducible.
+    """
+    if generator is not None:
+        if seed is not None:
+            raise ValueError("pass either seed or generator, not both")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU generator, got device {generator.device}")
+        return generator
+    if seed is None:
+        seed = fresh_seed()
+    seed = check_int(seed, "seed", minimum=0)
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def gaussian(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """i.i.d. N(0, 1) entries of the given shape, float32, drawn in float64 on the CPU."""
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(torch.float32)
+
+
+def rademacher(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """i.i.d. uniform ±1 entries of the given shape (float32)."""
+    bits = torch.randint(0, 2, shape, generator=generator)
+    return (2 * bits - 1).to(torch.float32)
+
+
+def randint(high: int, *shape: int, generator: torch.Generator) -> torch.Tensor:
+    """i.i.d. uniform integers in [0, high) of the given shape (int64)."""
+    return torch.randint(0, high, shape, generator=generator, dtype=torch.int64)
+
+
+def orthogonal_gaussian(num: int, dim: int, *, generator: torch.Generator) -> torch.Tensor:
+    """``num`` Gaussian directions in R^dim, orthogonal within blocks of ``dim`` rows.
+
+    Orthogonal random features (Yu et al., 2016; HRF paper §4): each block of ``dim`` rows
+    is an orthonormal basis (QR of a Gaussian matrix with sign correction, i.e. Haar) and each
+    row is rescaled by an independent chi(dim)-distributed norm, so every row is marginally
+    N(0, I_dim) and estimators built on it stay unbiased.
+
+    Returns: (num, dim) float32.
+    """
+    num = check_positive_int(num, "num")
+    dim = check_positive_int(dim, "dim")
+    blocks = []
+    for _ in range(math.ceil(num / dim)):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # Haar-distributed
+        blocks.append(q.T)
+    directions = torch.cat(blocks, dim=0)[:num]
+    norms = torch.randn(num, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (directions * norms).to(torch.float32)
