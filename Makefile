@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m polysketch.data.fetch
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -102,11 +102,11 @@ def check_tensor(
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
     if x.dim() < min_dim:
-        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
-    if last_dim is not None and x.shape[-1] != last_dim:
         raise ValueError(
-            f"{name} must have last dimension {last_dim}, got shape {tuple(x.shape)}"
+            f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}"
         )
+    if last_dim is not None and x.shape[-1] != last_dim:
+        raise ValueError(f"{name} must have last dimension {last_dim}, got shape {tuple(x.shape)}")
     return x
 
 
@@ -118,7 +118,9 @@ def check_feature_input(x, dim: int, name: str = "x") -> torch.Tensor:
 def check_same_dtype_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     """Raise ``ValueError`` if two tensors differ in dtype or device."""
     if a.dtype != b.dtype:
-        raise ValueError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}"
+        )
     if a.device != b.device:
         raise ValueError(
             f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}"

@@ -29,7 +29,9 @@ def fresh_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
-def make_generator(seed: int | None = None, generator: torch.Generator | None = None) -> torch.Generator:
+def make_generator(
+    seed: int | None = None, generator: torch.Generator | None = None
+) -> torch.Generator:
     """Return a CPU ``torch.Generator`` from an explicit ``seed`` or ``generator``.
 
     Exactly one source is used: ``generator`` if given (it must be a CPU generator; it is
@@ -88,5 +90,7 @@ def orthogonal_gaussian(num: int, dim: int, *, generator: torch.Generator) -> to
         q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # Haar-distributed
         blocks.append(q.T)
     directions = torch.cat(blocks, dim=0)[:num]
-    norms = torch.randn(num, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    norms = torch.randn(num, dim, generator=generator, dtype=torch.float64).norm(
+        dim=1, keepdim=True
+    )
     return (directions * norms).to(torch.float32)
