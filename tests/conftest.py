@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# Tests run in parallel (pytest-xdist, one worker per core): one intra-op thread per worker
+# avoids oversubscription, which makes small ops 10-100x slower on a 2-core machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

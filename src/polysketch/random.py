@@ -83,13 +83,11 @@ def orthogonal_gaussian(num: int, dim: int, *, generator: torch.Generator) -> to
     """
     num = check_positive_int(num, "num")
     dim = check_positive_int(dim, "dim")
-    blocks = []
-    for _ in range(math.ceil(num / dim)):
-        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(g)
-        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # Haar-distributed
-        blocks.append(q.T)
-    directions = torch.cat(blocks, dim=0)[:num]
+    num_blocks = math.ceil(num / dim)
+    g = torch.randn(num_blocks, dim, dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)  # one batched QR for all blocks
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-distributed
+    directions = q.transpose(-1, -2).reshape(num_blocks * dim, dim)[:num]
     norms = torch.randn(num, dim, generator=generator, dtype=torch.float64).norm(
         dim=1, keepdim=True
     )
