@@ -17,4 +17,5 @@ def _deterministic():
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ||a - b|| / ||b||."""
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))

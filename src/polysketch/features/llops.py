@@ -1,1 +1,330 @@
-"""(being written)"""
+"""LLoPS: the Learnable Low-Rank Polynomial Sketch, and fitting a map to its kernel.
+
+The LLoPS paper (``llops-learnable-polynomial-sketch.md``) approximates the degree-p
+polynomial kernel ``(q·k)^p`` (Eq. 3) by learned, asymmetric features
+
+    φQ(x)_f = Σ_{r=1..t} ∏_{j=1..p} (x Θ^Q_{j,r})_f,    φK(y)_f = Σ_r ∏_j (y Θ^K_{j,r})_f
+
+(Eq. 13–15; Def. 3.3, Eq. 17 is the rank t = 1 case). Each column f is a rank-t CP
+decomposition of a column of the linear sketch ``W`` of ``vec(x^{⊗p})`` (Eq. 9–12, 16), so
+φ costs O(D·F·t·p) per token and never builds the D^p tensor. The parameters are trained to
+minimise Eq. 6, ``‖φQ(Q)φK(K)ᵀ − (QKᵀ)^{∘p}‖_F²``; Theorem 3.1 says no rank-F map can beat
+the truncated SVD of ``(QKᵀ)^{∘p}`` (``optimal_error``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from einops import rearrange
+from torch import nn
+from tqdm import tqdm
+
+from .._checks import (
+    check_choice,
+    check_finite,
+    check_float,
+    check_positive_int,
+    check_tensor,
+)
+from ..random import gaussian, make_generator
+from .base import FeatureMap, register
+
+__all__ = ["LLoPS", "based_factors", "fit_kernel", "optimal_error", "relative_loss"]
+
+
+def relative_loss(approx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Eq. 6 normalised: ``‖approx − target‖_F² / ‖target‖_F²`` (a scalar)."""
+    return (approx - target).square().sum() / target.square().sum().clamp_min(1e-300)
+
+
+def optimal_error(q: torch.Tensor, k: torch.Tensor, *, degree: int, num_features: int) -> float:
+    """Theorem 3.1 / Eq. 7: the least relative Eq. 6 loss any F-dimensional map can reach.
+
+    With ``A = (QKᵀ)^{∘p}`` and singular values σ_1 ≥ σ_2 ≥ ..., a pair of maps into R^F gives
+    a matrix ``φQ(Q)φK(K)ᵀ`` of rank ≤ F, so ``‖φQφKᵀ − A‖_F² ≥ Σ_{i>F} σ_i²`` (Eckart–Young).
+    Returns ``Σ_{i>F} σ_i² / Σ_i σ_i²``, a lower bound for ``relative_loss``.
+
+    Shapes: q (N, D), k (M, D) (leading dims are flattened). Cost O(N·M·min(N, M)).
+    """
+    degree = check_positive_int(degree, "degree")
+    num_features = check_positive_int(num_features, "num_features")
+    q = check_tensor(q, "q", min_dim=1)
+    k = check_tensor(k, "k", min_dim=1, last_dim=q.shape[-1])
+    a = (q.reshape(-1, q.shape[-1]) @ k.reshape(-1, k.shape[-1]).T) ** degree
+    s2 = torch.linalg.svdvals(a).square()
+    return float(s2[num_features:].sum() / s2.sum().clamp_min(1e-300))
+
+
+def _flat_finite(x, name: str, dim: int) -> torch.Tensor:
+    x = check_tensor(x, name, min_dim=1, last_dim=dim)
+    x = x.reshape(-1, dim)
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one vector, got shape {tuple(x.shape)}")
+    return check_finite(x, name)
+
+
+def fit_kernel(
+    feature_map: FeatureMap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    degree: int | None = None,
+    steps: int = 500,
+    lr: float = 1e-2,
+    batch: int | None = 1024,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool | None = None,
+) -> list[float]:
+    """Train the parameters of ``feature_map`` so that its scores imitate a kernel on data.
+
+    Minimises Eq. 6 of the LLoPS paper, normalised by ``‖target‖_F²`` (same minimiser, scale
+    free), with Adam: at every step ``batch`` queries and ``batch`` keys are drawn (without
+    replacement, from ``seed``/``generator``) and the loss is
+    ``‖S − A‖_F² / ‖A‖_F²`` with ``S = approx_kernel(Q_b, K_b)`` (squared scores when
+    ``feature_map.square``) and ``A = (Q_b K_bᵀ)^{∘degree}``, or ``target_kernel(Q_b, K_b)``
+    when ``degree`` is None.
+
+    Args:
+        q: sampled queries (N, D) or (..., D) (leading dims are flattened).
+        k: sampled keys (M, D) or (..., D).
+        degree: target polynomial degree; None uses the map's ``target_kernel``.
+        steps: number of Adam steps. lr: learning rate.
+        batch: rows of q and of k per step; None (or ≥ N, M) uses them all.
+        progress: show a tqdm bar; None shows it only when stderr is a terminal.
+
+    Returns: the loss before each step (a list of ``steps`` floats).
+    """
+    dim = feature_map.dim
+    q = _flat_finite(q, "q", dim)
+    k = _flat_finite(k, "k", dim)
+    if degree is not None:
+        degree = check_positive_int(degree, "degree")
+    steps = check_positive_int(steps, "steps")
+    lr = check_float(lr, "lr", minimum=0.0, strict_minimum=True)
+    if batch is not None:
+        batch = check_positive_int(batch, "batch")
+    params = [p for p in feature_map.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("feature_map has no trainable parameters to fit")
+    gen = make_generator(seed, generator)
+    q = q.to(params[0].device)
+    k = k.to(params[0].device)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    history: list[float] = []
+    with torch.enable_grad():
+        for _ in tqdm(range(steps), desc="fit", disable=not show):
+            qb, kb = q, k
+            if batch is not None and batch < q.shape[0]:
+                qb = q[torch.randperm(q.shape[0], generator=gen)[:batch].to(q.device)]
+            if batch is not None and batch < k.shape[0]:
+                kb = k[torch.randperm(k.shape[0], generator=gen)[:batch].to(k.device)]
+            if degree is None:
+                target = feature_map.target_kernel(qb, kb)
+            else:
+                target = (qb @ kb.T) ** degree
+            loss = relative_loss(feature_map.approx_kernel(qb, kb), target.detach())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            history.append(float(loss.detach()))
+    return history
+
+
+def based_factors(projection: torch.Tensor) -> torch.Tensor:
+    """LLoPS factors that recover BASED's quadratic map ``ψ2(Wx)`` exactly (Eq. 20).
+
+    With ``W = projection`` of shape (D', D), feature ``(a, b)`` (a, b < D') uses
+    ``Θ_1[:, (a,b)] = W_a`` and ``Θ_2[:, (a,b)] = W_b`` (``Θ_1ᵀ = W ⊙col 1``,
+    ``Θ_2ᵀ = 1 ⊙col W``), so ``(xΘ_1)_{ab} (xΘ_2)_{ab} = (Wx)_a (Wx)_b = ψ2(Wx)_{ab}`` and
+    ``φ(x)·φ(y) = ((Wx)·(Wy))²``.
+
+    Returns: (1, 2, D, D'²), i.e. (rank, degree, D, F) for ``LLoPS(D, degree=2,
+    num_features=D'**2).set_factors_(...)``.
+    """
+    w = check_tensor(projection, "projection", min_dim=2)
+    if w.dim() != 2:
+        raise ValueError(f"projection must have shape (D', D), got {tuple(w.shape)}")
+    d_out, d_in = w.shape
+    theta1 = w.T.repeat_interleave(d_out, dim=1)  # column a*D'+b holds W_a
+    theta2 = w.T.repeat(1, d_out)  # column a*D'+b holds W_b
+    return torch.stack([theta1, theta2]).reshape(1, 2, d_in, d_out * d_out)
+
+
+@register("llops")
+class LLoPS(FeatureMap):
+    """Learnable Low-Rank Polynomial Sketch (LLoPS paper Def. 3.3, Eq. 13–17).
+
+    ``φQ(x) = Σ_r ∏_j x Θ^Q_{j,r}`` and ``φK(y) = Σ_r ∏_j y Θ^K_{j,r}``, with CP rank
+    t = ``rank`` and p = ``degree`` factors Θ_{j,r} ∈ R^{D×F} per map (Eq. 14, 15).
+    Shapes: x (..., D) -> (..., F), F = ``num_features`` (m in the paper).
+
+    ``target_kernel`` is the polynomial kernel the map is trained to imitate:
+    ``(x·y)^p``, or ``(x·y)^{2p}`` when ``square`` (scores ``(φQ·φK)²``: the self-tensoring
+    of PolySketchFormer §2.1 that the LLoPS paper adopts for non-negativity, §3.2; effective
+    features φ⊗φ, never materialised). ``kind`` is "learned": φ approximates, it is not an
+    estimator, except at ``init="sketch"`` without ``square`` where it is an unbiased random
+    sketch.
+
+    Args:
+        dim: D, the input dimension.
+        degree: p ≥ 1. num_features: F ≥ 1 (default 2·D). rank: t ≥ 1 (paper: t = 1).
+        square: score ``(φQ·φK)²`` (non-negative; target degree 2p).
+        shared: one set of factors for queries and keys (φQ = φK).
+        init: ``"sketch"``: Θ_{j,r} i.i.d. N(0, (F·t)^{-1/p}) entries, the same draw for Q
+            and K — a Gaussian product sketch with ``E[φQ(x)·φK(y)] = (x·y)^p``, since
+            ``E[∏_j (x·g_j)(y·g_j)] = (x·y)^p`` for independent g_j ~ N(0, I) and the F·t
+            terms average; ``"random"``: independent draws of the same size for Q and K
+            (the paper does not fix an init; this starts from E[φQ·φK] = 0).
+        seed, generator: make the initial draw reproducible (``make_generator``).
+
+    Parameters: ``theta_q`` (and ``theta_k`` unless ``shared``), shape (t, p, D, F), stored
+    float32 and cast to the input's compute dtype at use.
+    """
+
+    kind = "learned"
+    is_random = False
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        degree: int = 2,
+        num_features: int | None = None,
+        rank: int = 1,
+        square: bool = False,
+        shared: bool = False,
+        init: str = "sketch",
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(dim, square=square, nonnegative=bool(square))
+        self.degree = check_positive_int(degree, "degree")
+        if num_features is None:
+            num_features = 2 * self.dim
+        self.num_features = check_positive_int(num_features, "num_features")
+        self.rank = check_positive_int(rank, "rank")
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
+        self.shared = shared
+        self.init = check_choice(init, "init", ("sketch", "random"))
+        shape = (self.rank, self.degree, self.dim, self.num_features)
+        self.theta_q = nn.Parameter(torch.zeros(shape))
+        self.theta_k = None if shared else nn.Parameter(torch.zeros(shape))
+        self.reset_parameters(seed=seed, generator=generator)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    @torch.no_grad()
+    def reset_parameters(
+        self, *, seed: int | None = None, generator: torch.Generator | None = None
+    ) -> LLoPS:
+        """Redraw Θ as ``init`` says (see the class docstring); returns ``self``."""
+        gen = make_generator(seed, generator)
+        shape = tuple(self.theta_q.shape)
+        std = (self.num_features * self.rank) ** (-0.5 / self.degree)
+        draw_q = gaussian(*shape, generator=gen) * std
+        self.theta_q.copy_(draw_q)
+        if self.theta_k is not None:
+            draw_k = draw_q if self.init == "sketch" else gaussian(*shape, generator=gen) * std
+            self.theta_k.copy_(draw_k)
+        return self
+
+    @torch.no_grad()
+    def set_factors_(self, theta_q: torch.Tensor, theta_k: torch.Tensor | None = None) -> LLoPS:
+        """Overwrite the factors: (t, p, D, F) tensors, or (p, D, F) when t = 1.
+
+        ``theta_k=None`` sets the key factors equal to ``theta_q`` (for a non-shared map).
+        Used e.g. to start from BASED (``based_factors``), as the paper does in §4.2.
+        """
+        shape = tuple(self.theta_q.shape)
+
+        def _shaped(t, name):
+            t = check_tensor(t, name, min_dim=3)
+            if t.dim() == 3:
+                t = t.unsqueeze(0)
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name} must have shape {shape} (t, p, D, F), got {tuple(t.shape)}"
+                )
+            return check_finite(t, name)
+
+        tq = _shaped(theta_q, "theta_q")
+        if self.shared and theta_k is not None:
+            raise ValueError("theta_k must be None for a map with shared=True")
+        tk = tq if theta_k is None else _shaped(theta_k, "theta_k")
+        self.theta_q.copy_(tq)
+        if self.theta_k is not None:
+            self.theta_k.copy_(tk)
+        return self
+
+    def _sketch(self, x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """Eq. 15: Σ_r ∏_j x Θ_{j,r}, (..., D) -> (..., F); one matmul for all (r, j)."""
+        w = rearrange(theta.to(x.dtype), "r j d f -> d (r j f)")
+        z = rearrange(x @ w, "... (r j f) -> ... r j f", r=self.rank, j=self.degree)
+        out = z[..., 0, :]
+        for j in range(1, self.degree):  # p is small; a chain of products, no zero checks
+            out = out * z[..., j, :]
+        return out.sum(dim=-2)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        return self._sketch(x, self.theta_q)
+
+    def _key(self, x: torch.Tensor) -> torch.Tensor:
+        return self._sketch(x, self.theta_q if self.theta_k is None else self.theta_k)
+
+    @property
+    def target_degree(self) -> int:
+        """Degree of ``target_kernel``: p, or 2p when ``square``."""
+        return 2 * self.degree if self.square else self.degree
+
+    def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``(x·y)^p``, or ``(x·y)^{2p}`` when ``square``.
+
+        Shapes: x (..., Tx, D), y (..., Ty, D) -> (..., Tx, Ty).
+        """
+        x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
+        y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
+        return (x @ y.transpose(-1, -2)) ** self.target_degree
+
+    def fit(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        degree: int | None = None,
+        steps: int = 500,
+        lr: float = 1e-2,
+        batch: int | None = 1024,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        progress: bool | None = None,
+    ) -> list[float]:
+        """Calibrate Θ on sampled queries/keys by minimising Eq. 6 (see ``fit_kernel``).
+
+        ``degree=None`` imitates ``target_kernel`` ((q·k)^p, or ^{2p} when ``square``).
+        Returns the loss history (relative squared Frobenius error per step).
+        """
+        return fit_kernel(
+            self,
+            q,
+            k,
+            degree=degree,
+            steps=steps,
+            lr=lr,
+            batch=batch,
+            seed=seed,
+            generator=generator,
+            progress=progress,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, degree={self.degree}, rank={self.rank}, "
+            f"shared={self.shared}, init={self.init!r}"
+        )
