@@ -5,7 +5,8 @@ Layers (imports point down): ``cli``/``train``/``eval`` -> ``nn`` -> ``ops`` -> 
 """
 
 from . import features
+from .ops import kernel_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["features", "__version__"]
+__all__ = ["features", "ops", "kernel_attention", "__version__"]

@@ -4,8 +4,6 @@ Every map is a ``FeatureMap`` subclass registered by name; build one with
 ``create(name, dim, **kwargs)`` and list names with ``available()``.
 """
 
-from .base import FeatureMap, available, create, get_class, register
-
 # Importing a module registers the maps it defines.
 from . import (  # noqa: E402,F401  (imported for registration)
     baselines,
@@ -20,5 +18,6 @@ from . import (  # noqa: E402,F401  (imported for registration)
     random_features,
     tensorsketch,
 )
+from .base import FeatureMap, available, create, get_class, register
 
 __all__ = ["FeatureMap", "available", "create", "get_class", "register"]

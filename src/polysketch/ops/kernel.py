@@ -1,0 +1,203 @@
+"""Kernelized (linear-time) attention: ``linear_attention`` on features, ``kernel_attention``.
+
+    out_i = Σ_{j visible to i} s_ij v_j / stab(denominator_offset + Σ_{j visible to i} s_ij),
+    s_ij = φq_i·φk_j, or (φq_i·φk_j)² when ``square``            (PolySketchFormer Eq. (1), (2))
+
+computed without the T×T matrix: non-causal by associativity φq (φkᵀ [V 1]); causal by the
+block lower-triangular algorithm (``chunked``, Theorem 3.1) or by prefix sums (``cumsum``).
+The normalizer is the last column of the same product with [V 1] (§4). Visibility: causal
+(queries aligned with the last keys, see ``polysketch.ops.naive``) and a boolean
+``key_padding_mask`` (..., Tk), True = keep (torch SDPA's boolean convention); masked keys
+never enter any state. ``stab`` is the sign-keeping clamp of ``naive.stabilize_denominator``.
+
+Precision: inputs are cast to the compute dtype (fp32 for bf16/fp16, else unchanged), so the
+states, prefix sums and denominators accumulate in fp32 under half precision; the output is
+cast back to the input dtype; returned states stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from .._checks import check_choice, compute_dtype
+from ..features.base import FeatureMap
+from ._validate import (
+    check_attn_mask,
+    check_bool,
+    check_chunk_size,
+    check_key_padding_mask,
+    check_offset_eps,
+    check_qkv,
+)
+from .chunked import chunked_lt_multiply, noncausal_multiply, square_state
+from .cumsum import cumsum_lt_multiply
+from .naive import DEFAULT_EPS, stabilize_denominator
+from .recurrent import LinearAttentionState, pack_state
+
+__all__ = ["ALGORITHMS", "linear_attention", "kernel_attention"]
+
+ALGORITHMS = ("chunked", "cumsum")
+
+
+def linear_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    square: bool = False,
+    chunk_size: int = 256,
+    normalize: bool = True,
+    denominator_offset: float = 0.0,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    algorithm: str = "chunked",
+    eps: float = DEFAULT_EPS,
+    attn_mask: None = None,
+):
+    """Linear attention on features (see the module docstring for the formula).
+
+    Args:
+        phi_q: query features (..., Tq, F). phi_k: key features (..., Tk, F). v: (..., Tk, E).
+            Same leading dims (no broadcasting), dtype and device; any Tq, Tk >= 1 (causal
+            needs Tq <= Tk: query i is at position Tk - Tq + i).
+        causal: apply the causal mask.
+        square: scores (φq·φk)² (the self-tensored features of PolySketchFormer §2.2), never
+            materializing the F² features; the state is then (..., F, F, E).
+        chunk_size: block size b of the chunked causal algorithm (any T; padded internally).
+        normalize: divide by the normalizer; ``False`` returns the numerator Σ_j s_ij v_j
+            (``denominator_offset`` and ``eps`` are then unused).
+        denominator_offset: added to the normalizer (1.0 gives PolySketchFormer's 1 + Σ).
+        initial_state: ``LinearAttentionState`` of earlier keys (prefix of the sequence);
+            they are visible to every query. ``None``: no earlier keys.
+        return_state: also return the ``LinearAttentionState`` after all keys.
+        key_padding_mask: bool (..., Tk) broadcastable to phi_k.shape[:-1], True = keep.
+            Outputs of queries at padded positions are meaningless (ignore them).
+        algorithm: causal algorithm, ``"chunked"`` (Theorem 3.1) or ``"cumsum"`` (Performer).
+        eps: the denominator guard (``polysketch.ops.naive``); 0 disables it.
+        attn_mask: refused; an arbitrary (Tq, Tk) mask cannot be linearized.
+
+    Returns:
+        out (..., Tq, E) in the input dtype, or ``(out, state)`` with ``return_state``.
+    """
+    check_attn_mask(attn_mask)
+    check_bool(causal, "causal")
+    check_bool(square, "square")
+    check_bool(normalize, "normalize")
+    check_bool(return_state, "return_state")
+    check_qkv(phi_q, phi_k, v, causal=causal)
+    chunk_size = check_chunk_size(chunk_size)
+    check_choice(algorithm, "algorithm", ALGORITHMS)
+    check_key_padding_mask(key_padding_mask, phi_k)
+    offset, eps = check_offset_eps(denominator_offset, eps)
+
+    dtype = phi_q.dtype
+    cd = compute_dtype(dtype)
+    q, k, c = phi_q.to(cd), phi_k.to(cd), v.to(cd)
+    if key_padding_mask is not None:  # masked keys (and their possibly non-finite v) drop out
+        keep = key_padding_mask.unsqueeze(-1)
+        k = torch.where(keep, k, k.new_zeros(()))
+        c = torch.where(keep, c, c.new_zeros(()))
+    e = v.shape[-1]
+    track_den = normalize or return_state
+    if track_den:
+        c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)  # [V 1], §4
+    init = pack_state(
+        initial_state,
+        leading=tuple(q.shape[:-2]),
+        feature_dim=q.shape[-1],
+        value_dim=e,
+        square=square,
+        with_denominator=track_den,
+        dtype=cd,
+        device=q.device,
+    )
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal and tq < tk:  # keys before the first query are a prefix, visible to all queries
+        pre = tk - tq
+        kp, cp = k[..., :pre, :], c[..., :pre, :]
+        s0 = square_state(kp, cp) if square else kp.transpose(-1, -2) @ cp
+        init = s0 if init is None else init + s0
+        k, c = k[..., pre:, :], c[..., pre:, :]
+
+    if not causal:
+        out, state = noncausal_multiply(q, k, c, square=square, initial=init)
+    elif algorithm == "chunked":
+        out, state = chunked_lt_multiply(
+            q, k, c, chunk_size=chunk_size, square=square, initial=init
+        )
+    else:
+        out, state = cumsum_lt_multiply(q, k, c, square=square, initial=init)
+
+    if normalize:
+        out = out[..., :e] / stabilize_denominator(out[..., e:] + offset, eps)
+    elif track_den:
+        out = out[..., :e]
+    out = out.to(dtype)
+    if not return_state:
+        return out
+    previous = 0 if initial_state is None else initial_state.length
+    return out, LinearAttentionState(state[..., :e], state[..., e], previous + tk)
+
+
+def kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    causal: bool,
+    chunk_size: int = 256,
+    normalize: bool = True,
+    denominator_offset: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    checkpoint: bool = False,
+    algorithm: str = "chunked",
+    eps: float = DEFAULT_EPS,
+    attn_mask: None = None,
+):
+    """Attention with scores s(q_i, k_j) = φq(q_i)·φk(k_j) (squared if ``feature_map.square``).
+
+    Applies ``feature_map.query`` / ``feature_map.key`` and ``linear_attention`` (see there for
+    every argument). Shapes: q (..., Tq, D), k (..., Tk, D), v (..., Tk, E) -> (..., Tq, E).
+    ``checkpoint=True`` recomputes the features and the attention in the backward pass
+    instead of storing them (PolySketchFormer §4, rematerialization), through
+    ``torch.utils.checkpoint`` with ``use_reentrant=False``; the values and gradients are
+    unchanged, the activation memory of the layer drops to its inputs and outputs.
+    """
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
+    check_attn_mask(attn_mask)
+    check_bool(checkpoint, "checkpoint")
+    check_bool(causal, "causal")
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    if q.shape[-1] != feature_map.dim:
+        raise ValueError(
+            f"q and k must have last dimension feature_map.dim={feature_map.dim}, "
+            f"got {tuple(q.shape)}"
+        )
+
+    def run(q, k, v):
+        return linear_attention(
+            feature_map.query(q),
+            feature_map.key(k),
+            v,
+            causal=causal,
+            square=feature_map.square,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            denominator_offset=denominator_offset,
+            initial_state=initial_state,
+            return_state=return_state,
+            key_padding_mask=key_padding_mask,
+            algorithm=algorithm,
+            eps=eps,
+        )
+
+    if checkpoint and torch.is_grad_enabled():
+        return _checkpoint(run, q, k, v, use_reentrant=False)
+    return run(q, k, v)

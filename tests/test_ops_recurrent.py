@@ -1,0 +1,136 @@
+"""Decoding: prefill + steps == full causal forward; the state's content; Tq < Tk alignment."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from polysketch.ops import (
+    LinearAttentionState,
+    linear_attention,
+    linear_attention_step,
+    naive_linear_attention,
+)
+
+F64 = torch.float64
+
+
+def make(lead, t, f, e, *, positive, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*lead, t, f, generator=g, dtype=F64)
+    k = torch.randn(*lead, t, f, generator=g, dtype=F64)
+    v = torch.randn(*lead, t, e, generator=g, dtype=F64)
+    if positive:
+        q, k = (0.5 * q).exp(), (0.5 * k).exp()
+    return q, k, v
+
+
+def decode(q, k, v, *, prefill, step, square, offset, algorithm="chunked"):
+    """Prefill the first ``prefill`` tokens, then feed the rest ``step`` tokens at a time."""
+    kw = {"square": square, "denominator_offset": offset}
+    outs = []
+    state = None
+    if prefill:
+        out, state = linear_attention(
+            q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :], causal=True,
+            return_state=True, chunk_size=4, algorithm=algorithm, **kw,
+        )  # fmt: skip
+        outs.append(out)
+    for s in range(prefill, q.shape[-2], step):
+        sl = slice(s, s + step)
+        out, state = linear_attention_step(q[..., sl, :], k[..., sl, :], v[..., sl, :], state, **kw)
+        outs.append(out)
+    return torch.cat(outs, dim=-2), state
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("prefill,step", [(0, 1), (7, 1), (5, 3), (13, 2)])
+def test_prefill_plus_steps_equals_full_forward(prefill, step, offset, square):
+    q, k, v = make((2, 2), 21, 3, 5, positive=not square, seed=prefill + step)
+    full = linear_attention(q, k, v, causal=True, square=square, denominator_offset=offset)
+    ref = naive_linear_attention(q, k, v, causal=True, square=square, denominator_offset=offset)
+    for algorithm in ("chunked", "cumsum"):
+        out, state = decode(
+            q, k, v, prefill=prefill, step=step, square=square, offset=offset, algorithm=algorithm
+        )
+        assert rel_err(out, full) <= 1e-12
+        assert rel_err(out, ref) <= 1e-10
+        assert state.length == 21
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_state_content(square):
+    q, k, v = make((2,), 9, 3, 4, positive=False, seed=1)
+    _, state = linear_attention(
+        q, k, v, causal=True, square=square, return_state=True, chunk_size=4
+    )
+    if square:
+        num = torch.einsum("btf,btg,bte->bfge", k, k, v)
+        den = torch.einsum("btf,btg->bfg", k, k)
+    else:
+        num, den = k.transpose(-1, -2) @ v, k.sum(-2)
+    assert state.numerator.shape == num.shape and state.denominator.shape == den.shape
+    assert rel_err(state.numerator, num) <= 1e-12
+    assert rel_err(state.denominator, den) <= 1e-12
+    # same state from the non-causal pass and from the cumsum algorithm
+    for kw in ({"causal": False}, {"causal": True, "algorithm": "cumsum"}):
+        _, other = linear_attention(q, k, v, square=square, return_state=True, **kw)
+        assert rel_err(other.numerator, num) <= 1e-12
+        assert rel_err(other.denominator, den) <= 1e-12
+
+
+def test_zero_state_equals_no_state_and_normalize_false_step():
+    q, k, v = make((3,), 6, 4, 2, positive=True, seed=2)
+    zero = LinearAttentionState.zeros((3,), 4, 2, dtype=F64)
+    a, sa = linear_attention_step(q, k, v, None)
+    b, sb = linear_attention_step(q, k, v, zero)
+    assert rel_err(a, b) <= 1e-15 and rel_err(sa.numerator, sb.numerator) <= 1e-15
+    # unnormalized steps still carry a denominator state
+    c, sc = linear_attention_step(q, k, v, None, normalize=False)
+    assert rel_err(c, naive_linear_attention(q, k, v, causal=True, normalize=False)) <= 1e-12
+    assert rel_err(sc.denominator, k.sum(-2)) <= 1e-12
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_gradients_through_prefill_and_steps(square):
+    q, k, v = make((2,), 11, 3, 2, positive=not square, seed=3)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, _ = decode(*leaves, prefill=6, step=2, square=square, offset=1.0)
+    g1 = torch.autograd.grad(out.sin().sum(), leaves)
+    leaves2 = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    full = naive_linear_attention(*leaves2, causal=True, square=square, denominator_offset=1.0)
+    g2 = torch.autograd.grad(full.sin().sum(), leaves2)
+    for a, b in zip(g1, g2, strict=True):
+        assert rel_err(a, b) <= 1e-10
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("algorithm", ["chunked", "cumsum"])
+def test_causal_queries_aligned_with_last_keys(algorithm, square):
+    # Tq < Tk: query i sits at position Tk - Tq + i, equal to the tail of the full forward
+    q, k, v = make((2,), 12, 3, 4, positive=not square, seed=4)
+    full = naive_linear_attention(q, k, v, causal=True, square=square)
+    tail = linear_attention(
+        q[..., 7:, :], k, v, causal=True, square=square, algorithm=algorithm, chunk_size=2
+    )
+    assert rel_err(tail, full[..., 7:, :]) <= 1e-12
+    naive_tail = naive_linear_attention(q[..., 7:, :], k, v, causal=True, square=square)
+    assert rel_err(naive_tail, full[..., 7:, :]) <= 1e-12
+
+
+def test_noncausal_initial_state_adds_earlier_keys():
+    q, k, v = make((2,), 10, 3, 4, positive=True, seed=5)
+    _, state = linear_attention(q, k[..., :4, :], v[..., :4, :], causal=False, return_state=True)
+    out = linear_attention(q, k[..., 4:, :], v[..., 4:, :], causal=False, initial_state=state)
+    assert rel_err(out, naive_linear_attention(q, k, v, causal=False)) <= 1e-12
+
+
+def test_state_helpers_and_half_precision_state_is_fp32():
+    q, k, v = make((1,), 5, 2, 3, positive=True)
+    q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    out, state = linear_attention(q, k, v, causal=True, return_state=True)
+    assert out.dtype == torch.bfloat16 and state.numerator.dtype == torch.float32
+    assert state.to(F64).denominator.dtype == F64 and state.length == 5
+    leaf = torch.zeros(1, 2, 3, requires_grad=True)
+    s = LinearAttentionState(leaf * 2, torch.zeros(1, 2), 0)
+    assert s.numerator.requires_grad and not s.detach().numerator.requires_grad

@@ -1,0 +1,104 @@
+"""Bad input raises ValueError/TypeError naming the argument."""
+
+import pytest
+import torch
+
+from polysketch import features, kernel_attention
+from polysketch.ops import (
+    LinearAttentionState,
+    linear_attention,
+    linear_attention_step,
+    naive_linear_attention,
+    polynomial_attention,
+    softmax_attention,
+)
+
+Q = torch.rand(2, 5, 3)
+K = torch.rand(2, 5, 3)
+V = torch.rand(2, 5, 4)
+BAD_DENOMINATOR = LinearAttentionState(torch.zeros(2, 3, 4), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((Q.numpy(), K, V), {}, TypeError, "phi_q"),
+        ((Q, K.long(), V), {}, TypeError, "phi_k"),
+        ((Q, K, V.double()), {}, ValueError, "phi_q and v"),
+        ((Q[0, 0], K, V), {}, ValueError, "phi_q"),
+        ((Q, K[..., :2], V), {}, ValueError, "phi_q and phi_k"),
+        ((Q, K, V[:, :4]), {}, ValueError, "phi_k and v"),
+        ((Q[:1], K, V), {}, ValueError, "no broadcasting"),
+        ((torch.rand(2, 7, 3), K, V), {}, ValueError, "Tq=7 > Tk=5"),
+        ((Q[:, :0], K, V), {}, ValueError, "phi_q"),
+        ((Q, K, V), {"chunk_size": 0}, ValueError, "chunk_size"),
+        ((Q, K, V), {"chunk_size": 2.5}, TypeError, "chunk_size"),
+        ((Q, K, V), {"algorithm": "scan"}, ValueError, "algorithm"),
+        ((Q, K, V), {"square": 1}, TypeError, "square"),
+        ((Q, K, V), {"normalize": None}, TypeError, "normalize"),
+        ((Q, K, V), {"denominator_offset": float("nan")}, ValueError, "denominator_offset"),
+        ((Q, K, V), {"eps": -1.0}, ValueError, "eps"),
+        ((Q, K, V), {"key_padding_mask": torch.ones(2, 5)}, TypeError, "key_padding_mask"),
+        ((Q, K, V), {"key_padding_mask": torch.ones(2, 4, dtype=torch.bool)}, ValueError,
+         "key_padding_mask"),
+        ((Q, K, V), {"key_padding_mask": torch.ones(3, 5, dtype=torch.bool)}, ValueError,
+         "key_padding_mask"),
+        ((Q, K, V), {"key_padding_mask": [True] * 5}, TypeError, "key_padding_mask"),
+        ((Q, K, V), {"attn_mask": torch.ones(5, 5, dtype=torch.bool)}, ValueError,
+         "only\\s+causal=True and key_padding_mask"),
+        ((Q, K, V), {"initial_state": (torch.zeros(2, 3, 4), torch.zeros(2, 3))}, TypeError,
+         "initial_state"),
+        ((Q, K, V), {"initial_state": LinearAttentionState.zeros((2,), 3, 5)}, ValueError,
+         "initial_state.numerator"),
+        ((Q, K, V), {"initial_state": LinearAttentionState.zeros((2,), 3, 4, square=True)},
+         ValueError, "initial_state.numerator"),
+        ((Q, K, V), {"initial_state": BAD_DENOMINATOR}, ValueError, "initial_state.denominator"),
+    ],
+)  # fmt: skip
+def test_linear_attention_bad_input(args, kwargs, exc, match):
+    kwargs = {"causal": True, **kwargs}
+    with pytest.raises(exc, match=match):
+        linear_attention(*args, **kwargs)
+
+
+def test_causal_must_be_bool_everywhere():
+    for fn in (linear_attention, naive_linear_attention):
+        with pytest.raises(TypeError, match="causal"):
+            fn(Q, K, V, causal="yes")
+    with pytest.raises(TypeError, match="causal"):
+        softmax_attention(Q, K, V, causal=1)
+
+
+def test_references_bad_input():
+    with pytest.raises(ValueError, match="degree"):
+        polynomial_attention(Q, K, V, degree=0, causal=True)
+    with pytest.raises(TypeError, match="degree"):
+        polynomial_attention(Q, K, V, degree=2.0, causal=True)
+    with pytest.raises(ValueError, match="q and k"):
+        softmax_attention(Q, K[..., :2], V, causal=False)
+    with pytest.raises(TypeError, match="scale"):
+        softmax_attention(Q, K, V, causal=False, scale="1")
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        naive_linear_attention(Q, K, V, causal=False, key_padding_mask=torch.ones(5, 2).bool())
+
+
+def test_square_cumsum_size_guard():
+    q = torch.rand(1, 512, 64)
+    with pytest.raises(ValueError, match="algorithm='chunked'"):
+        linear_attention(q, q, q, causal=True, square=True, algorithm="cumsum")
+
+
+def test_step_and_kernel_attention_bad_input():
+    with pytest.raises(TypeError, match="initial_state"):
+        linear_attention_step(Q, K, V, state="empty")
+    fmap = features.create("elu", 3)
+    with pytest.raises(TypeError, match="feature_map"):
+        kernel_attention(Q, K, V, "elu", causal=True)
+    with pytest.raises(ValueError, match="feature_map.dim"):
+        kernel_attention(torch.rand(2, 5, 4), torch.rand(2, 5, 4), V, fmap, causal=True)
+    with pytest.raises(TypeError, match="checkpoint"):
+        kernel_attention(Q, K, V, fmap, causal=True, checkpoint="no")
+    with pytest.raises(ValueError, match="attn_mask"):
+        kernel_attention(Q, K, V, fmap, causal=False, attn_mask=torch.zeros(5, 5))
+    with pytest.raises(ValueError, match="k and v"):
+        kernel_attention(Q, K, V[:, :3], fmap, causal=False)
