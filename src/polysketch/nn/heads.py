@@ -1,0 +1,272 @@
+"""Independent feature maps per attention head, applied to all heads at once.
+
+PolySketchFormer §4: "for each attention head in each layer, we independently sample a
+sketching matrix S". ``MultiHeadFeatureMap`` builds H maps of one kind, head h of layer l
+seeded with ``head_seed(seed, l, h)``, and stacks their parameters and buffers along a new
+leading head axis (``torch.func.stack_module_state``): a parameter of shape (...) of the map
+becomes one (H, ...) parameter of the wrapper. The features of all heads are then one call
+
+    φ(x)[:, h] = φ_h(x[:, h])      x: (B, H, T, D) -> (B, H, T, F),
+
+computed by ``torch.vmap`` over the head axis of ``torch.func.functional_call`` on a template
+map (no Python loop over heads). Trainable maps (``llops``, ``learned_polysketch``, trainable
+``fpa`` / ``elementwise_power``) train through the stacked ``nn.Parameter``s.
+
+Maps that cannot be vmapped run a Python loop over per-head submodules instead
+(``LOOP_MAPS``, plus any map whose vmapped probe raises at construction):
+``hybrid_clustered`` is one, because its buffers are created by a data-dependent ``fit``
+(k-means) and change shape with the number of clusters; call ``fit_(q, k)`` before use.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+
+import torch
+from torch import nn
+
+from .._checks import check_int, check_positive_int, check_tensor
+from ..features import create, get_class
+from ..features.base import FeatureMap
+from ..random import make_generator
+
+__all__ = ["MultiHeadFeatureMap", "head_seed", "LOOP_MAPS"]
+
+LOOP_MAPS = frozenset({"hybrid_clustered"})
+"""Maps applied by a loop over heads (data-dependent buffers; see the module docstring)."""
+
+_VMAP_OK: dict[tuple, bool] = {}  # probe results per (name, kwargs, D), computed once
+
+_SEP = "__"  # replaces "." of nested parameter names (e.g. branch1.0.up -> branch1__0__up)
+
+
+def head_seed(seed: int, layer_index: int, head_index: int) -> int:
+    """The seed of head h in layer l: the first 63 bits of BLAKE2b("polysketch:{seed}:{l}:{h}").
+
+    A hash rather than e.g. ``seed + 1000·l + h``, so that nearby (seed, l, h) triples give
+    unrelated draws and no two triples collide in practice; it is stable across platforms
+    and Python runs (``hash()`` of str is salted, this is not).
+    """
+    text = f"polysketch:{seed}:{layer_index}:{head_index}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def _accepts(cls: type, keyword: str) -> bool:
+    """Whether ``cls(dim, keyword=...)`` is accepted (named parameter or ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+
+
+class _Role(nn.Module):
+    """Calls ``map.query`` or ``map.key``; the module ``functional_call`` runs per head."""
+
+    def __init__(self, feature_map: FeatureMap):
+        super().__init__()
+        self.map = feature_map
+
+    def forward(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+        return self.map.key(x) if key else self.map.query(x)
+
+
+class MultiHeadFeatureMap(nn.Module):
+    """H independent feature maps ``name`` of dim D, one per head: (B, H, T, D) -> (B, H, T, F).
+
+    Args:
+        name: a ``polysketch.features.available()`` name.
+        head_dim: D. num_heads: H.
+        seed: base seed (int >= 0); head h of layer ``layer_index`` gets
+            ``head_seed(seed, layer_index, h)`` (maps without randomness ignore it).
+        layer_index: l, the layer this map belongs to (for the seed derivation).
+        **map_kwargs: passed to every head's map (``create(name, D, **map_kwargs)``).
+
+    Attributes (from the head maps, which share them): ``feature_dim`` F, ``square``,
+    ``state_dim`` (F² if square else F), ``nonnegative``, ``kind``, ``is_random``;
+    ``vectorized`` (False for the loop fallback).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        head_dim: int,
+        num_heads: int,
+        *,
+        seed: int = 0,
+        layer_index: int = 0,
+        **map_kwargs,
+    ):
+        super().__init__()
+        cls = get_class(name)
+        self.name = name
+        self.head_dim = check_positive_int(head_dim, "head_dim")
+        self.num_heads = check_positive_int(num_heads, "num_heads")
+        self.seed = check_int(seed, "seed", minimum=0)
+        self.layer_index = check_int(layer_index, "layer_index", minimum=0)
+        if "seed" in map_kwargs or "generator" in map_kwargs:
+            raise ValueError("map_kwargs must not contain seed/generator: pass seed= instead")
+        seeded = _accepts(cls, "seed")
+
+        def build(h: int) -> FeatureMap:
+            kw = dict(map_kwargs)
+            if seeded:
+                kw["seed"] = head_seed(self.seed, self.layer_index, h)
+            return create(name, self.head_dim, **kw)
+
+        maps = [build(h) for h in range(self.num_heads)]
+        first = maps[0]
+        self.feature_dim = first.feature_dim
+        self.square = first.square
+        self.state_dim = first.state_dim
+        self.nonnegative = first.nonnegative
+        self.kind = first.kind
+        self.is_random = first.is_random
+        probe_key = (name, repr(sorted(map_kwargs.items())), self.head_dim)
+        if probe_key not in _VMAP_OK:
+            _VMAP_OK[probe_key] = name not in LOOP_MAPS and self._vmap_works(first)
+        self.vectorized = _VMAP_OK[probe_key]
+        if not self.vectorized:
+            self.maps = nn.ModuleList(maps)
+            return
+        params, buffers = torch.func.stack_module_state([_Role(m) for m in maps])
+        self._param_names = tuple(params)
+        self._buffer_names = tuple(buffers)
+        for key, value in params.items():
+            self.register_parameter(_mangle(key), nn.Parameter(value, value.requires_grad))
+        for key, value in buffers.items():
+            self.register_buffer(_mangle(key), value)
+        # The template supplies the code; its own tensors are never used (not a submodule,
+        # so it stays out of parameters(), state_dict() and .to()).
+        self._template = (_Role(first),)
+
+    # ----- construction helpers ------------------------------------------------------------
+    def _vmap_works(self, feature_map: FeatureMap) -> bool:
+        """Try the vmapped call on a tiny input; False if it raises (then loop over heads)."""
+        role = _Role(feature_map)
+        params, buffers = torch.func.stack_module_state([role, role])
+        x = torch.randn(1, 2, 3, self.head_dim, generator=torch.Generator().manual_seed(0))
+        try:
+            for key in (False, True):
+                torch.vmap(
+                    lambda p, b, xh, key=key: torch.func.functional_call(
+                        role, (p, b), (xh,), {"key": key}
+                    ),
+                    in_dims=(0, 0, 1),
+                    out_dims=1,
+                )(params, buffers, x)
+        except Exception:  # noqa: BLE001 - any failure selects the loop fallback
+            return False
+        return True
+
+    def _stacked(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        params = {k: getattr(self, _mangle(k)) for k in self._param_names}
+        buffers = {k: getattr(self, _mangle(k)) for k in self._buffer_names}
+        return params, buffers
+
+    # ----- features ------------------------------------------------------------------------
+    def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+        check_tensor(x, "x", min_dim=3, last_dim=self.head_dim)
+        if x.shape[-3] != self.num_heads:
+            raise ValueError(
+                f"x must have shape (..., H={self.num_heads}, T, D={self.head_dim}), "
+                f"got {tuple(x.shape)}"
+            )
+        if not self.vectorized:
+            outs = [(m.key if key else m.query)(x.select(-3, h)) for h, m in enumerate(self.maps)]
+            return torch.stack(outs, dim=-3)
+        params, buffers = self._stacked()
+        role = self._template[0]
+
+        def one_head(p, b, xh):
+            return torch.func.functional_call(role, (p, b), (xh,), {"key": key})
+
+        head_axis = x.dim() - 3
+        return torch.vmap(one_head, in_dims=(0, 0, head_axis), out_dims=head_axis)(
+            params, buffers, x
+        )
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """φq per head: (..., H, T, D) -> (..., H, T, F), dtype of x."""
+        return self._features(x, key=False)
+
+    def key(self, x: torch.Tensor) -> torch.Tensor:
+        """φk per head: (..., H, T, D) -> (..., H, T, F), dtype of x."""
+        return self._features(x, key=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Alias of ``query``."""
+        return self.query(x)
+
+    def head_map(self, h: int) -> FeatureMap:
+        """A standalone copy of head h's map (with its current tensors), e.g. for tests."""
+        h = check_int(h, "h", minimum=0)
+        if h >= self.num_heads:
+            raise ValueError(f"h must be < num_heads={self.num_heads}, got {h}")
+        if not self.vectorized:
+            return self.maps[h]
+        role = copy.deepcopy(self._template[0])
+        params, buffers = self._stacked()
+        self._load_head(role, h, params, buffers)
+        return role.map
+
+    @staticmethod
+    @torch.no_grad()
+    def _load_head(role: nn.Module, h: int, params: dict, buffers: dict) -> None:
+        for k, v in params.items():
+            role.get_parameter(k).data = v[h].detach().clone()
+        for k, v in buffers.items():
+            _set_module_buffer(role, k, v[h].clone())
+
+    # ----- randomness ----------------------------------------------------------------------
+    @torch.no_grad()
+    def redraw_(self, generator: torch.Generator | None = None) -> MultiHeadFeatureMap:
+        """Redraw every head's random tensors, heads in order from one ``generator``.
+
+        ``generator=None`` seeds one from torch's global RNG. A no-op for deterministic maps.
+        Returns ``self``.
+        """
+        if not self.is_random:
+            return self
+        gen = make_generator(None, generator)
+        if not self.vectorized:
+            for m in self.maps:
+                m.redraw_(gen)
+            return self
+        role = self._template[0]
+        params, buffers = self._stacked()
+        for h in range(self.num_heads):
+            self._load_head(role, h, params, buffers)
+            role.map.redraw_(gen)
+            for k, v in params.items():
+                v[h].copy_(role.get_parameter(k))
+            for k, v in buffers.items():
+                v[h].copy_(role.get_buffer(k))
+        return self
+
+    def fit_(self, q: torch.Tensor, k: torch.Tensor) -> MultiHeadFeatureMap:
+        """Call ``fit(q_h, k_h)`` of each head's map (maps with ``fit``, e.g. hybrid_clustered).
+
+        q, k: (..., H, T, D) sample queries and keys. Only for the loop fallback.
+        """
+        if self.vectorized or not hasattr(self.maps[0], "fit"):
+            raise TypeError(f"feature map {self.name!r} has no per-head fit")
+        for h, m in enumerate(self.maps):
+            m.fit(q.select(-3, h), k.select(-3, h))
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"name={self.name!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
+            f"feature_dim={self.feature_dim}, square={self.square}, "
+            f"vectorized={self.vectorized}, seed={self.seed}, layer_index={self.layer_index}"
+        )
+
+
+def _mangle(name: str) -> str:
+    return name.replace(".", _SEP)
+
+
+def _set_module_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    prefix, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    owner._buffers[leaf] = value

@@ -1,0 +1,69 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021), as PolySketchFormer §5 uses per head.
+
+For a head vector x ∈ R^D at position t, pairs (x_i, x_{i+D'/2}) (rotate-half layout,
+D' = 2⌊D/2⌋) are rotated by the angle t·θ_i, θ_i = base^{-2i/D'}:
+
+    RoPE(x, t)_i        = x_i cos tθ_i − x_{i+D'/2} sin tθ_i
+    RoPE(x, t)_{i+D'/2} = x_{i+D'/2} cos tθ_i + x_i sin tθ_i ,   i < D'/2,
+
+and the last coordinate of an odd D is left unchanged. Then RoPE(q, s)·RoPE(k, t) depends on
+s − t only. Positions are absolute token indices; while decoding, ``offset`` is the number of
+tokens already consumed, so positions continue where the prefix stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import check_float, check_int, check_positive_int, check_tensor
+
+__all__ = ["RotaryEmbedding", "apply_rotary"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x (..., T, D) with cos, sin (T, D'/2) (see module docstring)."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return torch.cat(rotated + ([rest] if rest.shape[-1] else []), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE for head dim D: ``forward(x, offset)`` with x (..., T, D) -> (..., T, D).
+
+    Args:
+        head_dim: D (odd D leaves the last coordinate unrotated).
+        base: θ_i = base^{-2i/D'} (default 10000).
+
+    The angles t·θ_i are formed in fp64 for positions offset..offset+T−1 at each call (no
+    length limit, no table, nothing that ``.to(dtype)`` of the model could degrade); cos/sin
+    are taken in fp32 (fp64 for fp64 inputs) and cast to x's dtype.
+    """
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0):
+        super().__init__()
+        self.head_dim = check_positive_int(head_dim, "head_dim")
+        self.base = check_float(base, "base", minimum=1.0, strict_minimum=True)
+
+    def angles(self, length: int, offset: int, *, dtype: torch.dtype, device) -> tuple:
+        """cos, sin of t·θ_i for t = offset..offset+length−1: two (length, D'/2) tensors."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        half = self.head_dim // 2
+        exact = torch.float32 if torch.device(device).type == "mps" else torch.float64
+        f64 = {"device": device, "dtype": exact}  # MPS has no fp64
+        inv_freq = self.base ** -(torch.arange(half, **f64) * (2.0 / max(2 * half, 1)))
+        pos = torch.arange(offset, offset + length, **f64)
+        ang = (pos[:, None] * inv_freq).to(work)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        x = check_tensor(x, "x", min_dim=2, last_dim=self.head_dim)
+        offset = check_int(offset, "offset", minimum=0)
+        if self.head_dim < 2:
+            return x
+        cos, sin = self.angles(x.shape[-2], offset, dtype=x.dtype, device=x.device)
+        return apply_rotary(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -1,0 +1,271 @@
+"""``TransformerLM``: a nanoGPT-sized decoder-only language model on ``KernelAttention``.
+
+Architecture (PolySketchFormer §5 and its public code): token embedding → n_layer pre-norm
+blocks ``x += Attn(LN(x)); x += GLU(LN(x))`` → LN → logits with the (tied) embedding matrix.
+The feed-forward is a GELU-gated linear unit (Shazeer 2020):
+
+    GLU(x) = (x W_1 ∘ GELU(x W_2)) W_3,   hidden ≈ 8/3·E rounded down to a multiple of 8,
+
+which has about the parameters of a 4·E MLP. Positions come from RoPE inside attention
+(``rope=False`` gives no position signal besides the causal mask). Each layer's feature maps
+are seeded from (``config.seed``, layer index, head index) (``polysketch.nn.heads.head_seed``).
+
+Decoding: ``generate`` prefills a per-layer cache (``polysketch.nn.cache``) with the prompt and
+then feeds one token at a time: linear attentions keep a constant-size state, softmax and
+polynomial a KV cache, ``psf_mixed`` the state of complete blocks plus the current block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_float, check_int, check_positive_int
+from ..random import make_generator
+from .attention import KernelAttention
+
+__all__ = ["TransformerConfig", "TransformerLM", "GLU"]
+
+
+@dataclass
+class TransformerConfig:
+    """Model hyperparameters (see the module docstring)."""
+
+    vocab_size: int = 256
+    block_size: int = 256  # max sequence length for training (RoPE has no hard limit)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    attention: str = "polysketch"  # feature-map name, "softmax", "polynomial" or a preset
+    map_kwargs: dict = field(default_factory=dict)  # passed to the feature map(s)
+    chunk_size: int = 64
+    rope: bool = True
+    ffn_hidden: int | None = None  # GLU hidden size; default ≈ 8/3 · n_embd rounded to 8
+    dropout: float = 0.0
+    seed: int = 0  # base seed of the feature maps' random buffers
+    tie_embeddings: bool = True
+
+    def validate(self) -> TransformerConfig:
+        """Raise ValueError/TypeError naming the bad field; return self."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "chunk_size"):
+            check_positive_int(getattr(self, name), name)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.ffn_hidden is not None:
+            check_positive_int(self.ffn_hidden, "ffn_hidden")
+        check_float(self.dropout, "dropout", minimum=0.0, maximum=1.0)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_int(self.seed, "seed", minimum=0)
+        if not isinstance(self.map_kwargs, dict):
+            raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
+        for name in ("rope", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool")
+        return self
+
+
+class GLU(nn.Module):
+    """GELU-gated linear unit: (x W_1 ∘ GELU(x W_2)) W_3, (..., E) -> (..., E), no biases."""
+
+    def __init__(self, embed_dim: int, hidden: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        if hidden is None:
+            hidden = max(8, (8 * embed_dim // 3) // 8 * 8)
+        self.hidden = hidden
+        self.up = nn.Linear(embed_dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, embed_dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, gate = self.up(x).chunk(2, dim=-1)
+        return self.dropout(self.down(a * F.gelu(gate)))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + Attn(LN(x)), then + GLU(LN(x))."""
+
+    def __init__(self, config: TransformerConfig, layer_index: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = KernelAttention(
+            config.n_embd,
+            config.n_head,
+            attention=config.attention,
+            causal=True,
+            rope=config.rope,
+            chunk_size=config.chunk_size,
+            seed=config.seed,
+            layer_index=layer_index,
+            **config.map_kwargs,
+        )
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, *, key_padding_mask=None, cache=None):
+        x = x + self.dropout(
+            self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache)
+        )
+        return x + self.ffn(self.ln_2(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: idx (B, T) -> logits (B, T, V) (see the module docstring)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config.validate()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) for linears and embeddings, residual outputs / √(2 n_layer).
+
+        Drawn from a generator seeded with ``config.seed`` (reproducible models); feature
+        maps keep their own initialization.
+        """
+        gen = make_generator(self.config.seed)
+        std = 0.02
+        skip = {
+            id(p)
+            for blk in self.blocks
+            if blk.attn.feature_map is not None
+            for p in blk.attn.feature_map.parameters()
+        }
+        for name, p in self.named_parameters():
+            if id(p) in skip or p.dim() < 2:
+                continue
+            scale = (
+                std / (2 * self.config.n_layer) ** 0.5
+                if name.endswith(("out_proj.weight", "ffn.down.weight"))
+                else std
+            )
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
+
+    # ----- forward ---------------------------------------------------------------------------
+    def _check_idx(self, idx: torch.Tensor, name: str = "idx") -> torch.Tensor:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be a LongTensor of token ids")
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ValueError(f"{name} must hold ids in [0, vocab_size={self.config.vocab_size})")
+        return idx
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        caches: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, V) and, with ``targets`` (B, T), the mean cross-entropy (-100 ignored).
+
+        ``key_padding_mask`` (B, T) bool, True = real token. ``caches``: one per layer from
+        ``new_caches()``; idx are then the tokens after those already consumed.
+        """
+        idx = self._check_idx(idx)
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"caches must hold one cache per layer ({len(self.blocks)})")
+        x = self.drop(self.wte(idx))
+        for i, block in enumerate(self.blocks):
+            cache = None if caches is None else caches[i]
+            x = block(x, key_padding_mask=key_padding_mask, cache=cache)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(idx.shape):
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}")
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten().long(), ignore_index=-100
+            )
+        return logits, loss
+
+    def new_caches(self) -> list:
+        """One empty decode cache per layer."""
+        return [block.attn.new_cache() for block in self.blocks]
+
+    # ----- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to idx (B, T0) -> (B, T0 + N).
+
+        The prompt is prefilled once into per-layer caches, then one token per step.
+        ``temperature=0`` or ``top_k=1``: greedy argmax. Otherwise tokens are drawn from
+        softmax(logits / temperature) restricted to the ``top_k`` largest, with the CPU
+        ``generator`` (``None``: torch's global RNG). Dropout is off while generating.
+        """
+        idx = self._check_idx(idx)
+        n = check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        temperature = check_float(temperature, "temperature", minimum=0.0)
+        if top_k is not None:
+            top_k = check_positive_int(top_k, "top_k")
+        greedy = temperature == 0.0 or top_k == 1
+        if n == 0:
+            return idx
+        was_training = self.training
+        self.eval()
+        try:
+            caches = self.new_caches()
+            logits, _ = self(idx, caches=caches)
+            out = [idx]
+            for step in range(n):
+                last = logits[:, -1, :].float()
+                if greedy:
+                    nxt = last.argmax(dim=-1, keepdim=True)
+                else:
+                    nxt = _sample(last / temperature, top_k, generator).to(idx.device)
+                out.append(nxt.to(idx.dtype))
+                if step + 1 < n:
+                    logits, _ = self(out[-1], caches=caches)
+            return torch.cat(out, dim=1)
+        finally:
+            self.train(was_training)
+
+    # ----- sizes and randomness -------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Number of trainable parameters (tied embeddings counted once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def decode_state_size(self, seq_len: int) -> int:
+        """Floats held per sequence by all layers' decode caches after ``seq_len`` tokens."""
+        return sum(block.attn.decode_state_size(seq_len) for block in self.blocks)
+
+    @torch.no_grad()
+    def redraw_feature_maps_(self, generator: torch.Generator | None = None) -> None:
+        """Redraw every layer's random feature maps, layers in order, from one generator."""
+        gen = make_generator(None, generator)
+        for block in self.blocks:
+            block.attn.redraw_feature_map_(gen)
+
+
+def _sample(logits: torch.Tensor, top_k: int | None, generator) -> torch.Tensor:
+    """Draw one id per row from softmax(logits) limited to the top_k; (B, V) -> (B, 1), CPU."""
+    logits = logits.cpu()
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)

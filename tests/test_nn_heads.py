@@ -1,0 +1,134 @@
+"""Per-head feature maps: vmapped stack == Python loop over heads (values and gradients)."""
+
+import pytest
+import torch
+
+from polysketch.features import create
+from polysketch.nn.heads import MultiHeadFeatureMap, head_seed
+
+H, D = 3, 8
+
+CASES = [
+    ("polysketch", {"nonnegative": True}),
+    ("polysketch", {"projection": "srht", "degree": 4}),
+    ("tensorsketch", {"num_features": 16}),
+    ("positive", {"scale": 0.3}),
+    ("hybrid_angular", {"scale": 0.3}),
+    ("llops", {"degree": 2}),
+    ("learned_polysketch", {"num_features": 8, "expansion": 2}),
+    ("fpa", {"trainable": True}),
+    ("elementwise_power", {}),
+    ("tensor_power", {}),
+]
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] + str(i) for i, c in enumerate(CASES)])
+def test_vmap_equals_loop_values_and_grads(name, kw):
+    mh = MultiHeadFeatureMap(name, D, H, seed=5, layer_index=2, **kw)
+    assert mh.vectorized
+    x = torch.randn(2, H, 5, D, dtype=torch.float64, requires_grad=True)
+    for key in (False, True):
+        got = mh.key(x) if key else mh.query(x)
+        assert got.shape == (2, H, 5, mh.feature_dim)
+        # the loop uses standalone maps built from the SAME seeds as the heads
+        maps = [
+            create(
+                name, D, **({**kw, "seed": head_seed(5, 2, h)} if name != "tensor_power" else kw)
+            )
+            for h in range(H)
+        ]
+        ref = torch.stack([(m.key if key else m.query)(x[:, h]) for h, m in enumerate(maps)], 1)
+        assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+        # gradients w.r.t. the input and (for trainable maps) w.r.t. the parameters
+        w = torch.randn_like(got)
+        gx = torch.autograd.grad((got * w).sum(), x, retain_graph=True)[0]
+        gx_ref = torch.autograd.grad((ref * w).sum(), x)[0]
+        assert torch.allclose(gx, gx_ref, rtol=1e-10, atol=1e-12)
+    params = list(mh.parameters())
+    if params:
+        maps64 = [m.double() for m in maps]
+        mh64 = mh.double()
+        w2 = torch.randn_like(w)
+        out = (mh64.query(x) * w).sum() + (mh64.key(x) * w2).sum()
+        grads = torch.autograd.grad(out, params)
+        ref_out = sum(
+            (maps64[h].query(x[:, h]) * w[:, h]).sum() + (maps64[h].key(x[:, h]) * w2[:, h]).sum()
+            for h in range(H)
+        )
+        names = [n for n, _ in maps64[0].named_parameters()]
+        ref_grads = torch.autograd.grad(ref_out, [p for m in maps64 for p in m.parameters()])
+        per = len(names)
+        for i, g in enumerate(grads):
+            ref_g = torch.stack([ref_grads[h * per + i] for h in range(H)])
+            assert torch.allclose(g, ref_g, rtol=1e-10, atol=1e-12), names[i]
+
+
+def test_heads_differ_and_seed_reproduces():
+    a = MultiHeadFeatureMap("polysketch", D, H, seed=1)
+    b = MultiHeadFeatureMap("polysketch", D, H, seed=1)
+    c = MultiHeadFeatureMap("polysketch", D, H, seed=1, layer_index=1)
+    x = torch.randn(1, 1, 4, D).expand(1, H, 4, D)  # the same input in every head
+    qa = a.query(x)
+    for h in range(1, H):
+        assert not torch.allclose(qa[:, 0], qa[:, h])
+    assert torch.equal(qa, b.query(x))
+    assert not torch.allclose(qa, c.query(x))
+    assert len({head_seed(1, layer, h) for layer in range(4) for h in range(8)}) == 32
+
+
+def test_trainable_params_are_registered_and_train():
+    mh = MultiHeadFeatureMap("llops", D, H, seed=0)
+    params = dict(mh.named_parameters())
+    assert set(params) == {"map__theta_q", "map__theta_k"}
+    assert params["map__theta_q"].shape[0] == H and params["map__theta_q"].requires_grad
+    x = torch.randn(2, H, 4, D)
+    (mh.query(x) * mh.key(x)).sum().backward()
+    assert params["map__theta_q"].grad.abs().sum() > 0
+
+
+def test_state_dict_round_trip_and_to_float64():
+    a = MultiHeadFeatureMap("positive", D, H, seed=3)
+    b = MultiHeadFeatureMap("positive", D, H, seed=4)
+    x = torch.randn(2, H, 4, D)
+    assert not torch.allclose(a.query(x), b.query(x))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.query(x), b.query(x))
+    a64 = a.to(torch.float64)
+    assert a64.query(x.double()).dtype == torch.float64
+
+
+def test_redraw_changes_buffers_reproducibly():
+    a = MultiHeadFeatureMap("polysketch", D, H, seed=0)
+    b = MultiHeadFeatureMap("polysketch", D, H, seed=0)
+    before = a.map__leaf_gaussian.clone()
+    a.redraw_(torch.Generator().manual_seed(9))
+    b.redraw_(torch.Generator().manual_seed(9))
+    assert not torch.equal(before, a.map__leaf_gaussian)
+    assert torch.equal(a.map__leaf_gaussian, b.map__leaf_gaussian)
+    assert not torch.equal(a.map__leaf_gaussian[0], a.map__leaf_gaussian[1])
+    # head_map exposes exactly the stacked tensors of that head
+    assert torch.equal(a.head_map(1).leaf_gaussian, a.map__leaf_gaussian[1])
+
+
+def test_hybrid_clustered_falls_back_to_loop():
+    mh = MultiHeadFeatureMap("hybrid_clustered", D, 2, seed=0, num_features=4)
+    assert not mh.vectorized
+    q, k = torch.randn(2, 2, 20, D) * 0.3, torch.randn(2, 2, 20, D) * 0.3
+    mh.fit_(q, k)
+    out = mh.query(q)
+    ref = torch.stack([mh.maps[h].query(q[:, h]) for h in range(2)], 1)
+    assert torch.equal(out, ref)
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="num_heads"):
+        MultiHeadFeatureMap("elu", D, 0)
+    with pytest.raises(ValueError, match="seed"):
+        MultiHeadFeatureMap("polysketch", D, H, seed=-1)
+    with pytest.raises(ValueError, match="map_kwargs"):
+        MultiHeadFeatureMap("polysketch", D, H, generator=torch.Generator())
+    mh = MultiHeadFeatureMap("elu", D, H)
+    with pytest.raises(ValueError, match="x"):
+        mh.query(torch.randn(2, H + 1, 4, D))
+    with pytest.raises(ValueError, match="unknown feature map"):
+        MultiHeadFeatureMap("nope", D, H)

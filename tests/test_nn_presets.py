@@ -1,0 +1,64 @@
+"""Presets: every preset builds, its description names its key settings, defaults resolve."""
+
+import math
+
+import pytest
+import torch
+
+from polysketch.features import available
+from polysketch.nn import PRESETS, KernelAttention, valid_attentions
+from polysketch.nn.presets import resolve_attention
+
+KEY_WORDS = {
+    "psf_random": ["LayerNorm", "Gaussian", "degree-2", "r = 32", "nonnegative", "1 + Σ", "256"],
+    "psf_learned": ["learned_polysketch", "r = 32", "square", "nonnegative", "LayerNorm", "1 + Σ"],
+    "psf_mixed": ["exact local polynomial degree 4", "psf_random", "r = 32", "1 + Σ"],
+    "polynomial": ["degree 4", "LayerNorm", "1 + Σ", "quadratic"],
+    "softmax": ["softmax", "1/sqrt(D)", "no q/k norm"],
+}
+
+
+def test_preset_names():
+    assert set(PRESETS) == set(KEY_WORDS)
+    assert valid_attentions()[: len(PRESETS)] == list(PRESETS)
+    assert set(available()) <= set(valid_attentions())
+
+
+@pytest.mark.parametrize("name", list(KEY_WORDS))
+def test_each_preset_builds_and_describes_itself(name):
+    desc = PRESETS[name]["description"]
+    for word in KEY_WORDS[name]:
+        assert word in desc, (name, word)
+    settings = PRESETS[name]["settings"]
+    layer = KernelAttention(16, 2, attention=name, chunk_size=4)
+    assert layer.algorithm == settings["algorithm"]
+    assert (layer.q_norm is not None) == settings["qk_norm"]
+    assert layer.denominator_offset == settings["denominator_offset"]
+    if "feature_map" in settings:
+        assert layer.feature_map.name == settings["feature_map"]
+        head = layer.feature_map.head_map(0)
+        for key, value in settings["map_kwargs"].items():
+            assert getattr(head, key) == value, key
+        assert head.square
+    y = layer(torch.randn(1, 6, 16))
+    assert y.shape == (1, 6, 16) and torch.isfinite(y).all()
+
+
+def test_defaults_by_map_kind_and_overrides():
+    d = 8
+    poly = resolve_attention("tensorsketch", d, {})
+    assert poly.qk_norm and poly.denominator_offset == 1.0 and poly.algorithm == "linear"
+    soft = resolve_attention("trig", d, {})
+    assert not soft.qk_norm and soft.denominator_offset == 0.0
+    assert soft.map_kwargs["scale"] == pytest.approx(1 / math.sqrt(d))
+    other = resolve_attention("elu", d, {})
+    assert not other.qk_norm and other.map_kwargs == {}
+    assert resolve_attention("polysketch", d, {}).map_kwargs == {"nonnegative": True}
+    over = resolve_attention("psf_random", d, {"num_features": 8}, qk_norm=False)
+    assert over.map_kwargs["num_features"] == 8 and not over.qk_norm
+    assert resolve_attention("polynomial", d, {"degree": 2}).degree == 2
+    assert resolve_attention("psf_mixed", d, {"degree": 6}).degree == 6
+    with pytest.raises(ValueError, match="map_kwargs"):
+        resolve_attention("polynomial", d, {"num_features": 3})
+    with pytest.raises(TypeError, match="attention"):
+        resolve_attention(3, d, {})

@@ -1,0 +1,151 @@
+"""TransformerLM: causality, greedy generation == full forward, seeds, gradients, errors."""
+
+import pytest
+import torch
+
+from polysketch.nn import TransformerConfig, TransformerLM
+
+V = 19
+
+
+def _model(attention, **kw):
+    cfg = TransformerConfig(
+        vocab_size=V, n_layer=2, n_head=2, n_embd=16, attention=attention, chunk_size=4, **kw
+    )
+    return TransformerLM(cfg)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "polysketch", "psf_mixed", "positive", "trig"])
+def test_causality_bit_identical(attention):
+    """Changing tokens after t leaves logits at <= t bit-identical."""
+    model = _model(attention)
+    idx = torch.randint(0, V, (2, 14))
+    logits, _ = model(idx)
+    for t in (0, 5, 9):
+        other = idx.clone()
+        other[:, t + 1 :] = (idx[:, t + 1 :] + 1 + torch.arange(13 - t)) % V
+        changed, _ = model(other)
+        assert torch.equal(changed[:, : t + 1], logits[:, : t + 1])
+        assert not torch.allclose(changed[:, t + 1 :], logits[:, t + 1 :])
+
+
+GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive", "psf_mixed"]
+
+
+@pytest.mark.parametrize("attention", GEN + ["psf_learned"])
+def test_greedy_generate_equals_full_forward_argmax(attention):
+    model = _model(attention).double()
+    prompt = torch.randint(0, V, (2, 6))
+    out = model.generate(prompt, 9, temperature=0.0)
+    seq = prompt
+    for _ in range(9):  # the reference: recompute the whole sequence at every step
+        logits, _ = model(seq)
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    # and the cached logits equal the full forward's (RoPE positions continue correctly)
+    caches = model.new_caches()
+    step_logits = [model(seq[:, :6], caches=caches)[0]]
+    step_logits += [model(seq[:, t : t + 1], caches=caches)[0] for t in range(6, 15)]
+    full, _ = model(seq)
+    assert torch.allclose(torch.cat(step_logits, 1), full, rtol=1e-9, atol=1e-10)
+    assert sum(c.num_floats() for c in caches) == 2 * model.decode_state_size(15)
+
+
+def test_sampling_reproducible_and_top_k():
+    model = _model("polysketch")
+    prompt = torch.randint(0, V, (3, 4))
+    a = model.generate(prompt, 7, temperature=1.5, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 7, temperature=1.5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (3, 11) and torch.equal(a[:, :4], prompt)
+    greedy = model.generate(prompt, 7, temperature=0.0)
+    assert torch.equal(model.generate(prompt, 7, top_k=1), greedy)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+
+
+def test_decode_state_constant_for_linear_and_growing_for_softmax():
+    lin, sm = _model("psf_random"), _model("softmax")
+    assert lin.decode_state_size(10) == lin.decode_state_size(10_000) == 2 * 2 * 32 * 32 * 9
+    assert sm.decode_state_size(100) == 2 * sm.decode_state_size(50) == 2 * 2 * 2 * 2 * 8 * 50
+
+
+def test_feature_maps_independent_per_layer_and_reproducible():
+    a, b, c = _model("polysketch"), _model("polysketch"), _model("polysketch", seed=1)
+    w = [blk.attn.feature_map.map__leaf_gaussian.clone() for blk in a.blocks]
+    assert not torch.equal(w[0], w[1])  # layers differ
+    assert not torch.equal(w[0][0], w[0][1])  # heads differ
+    assert torch.equal(w[0], b.blocks[0].attn.feature_map.map__leaf_gaussian)
+    assert not torch.equal(w[0], c.blocks[0].attn.feature_map.map__leaf_gaussian)
+    idx = torch.randint(0, V, (1, 8))
+    assert torch.equal(a(idx)[0], b(idx)[0])
+    # redraw: changes the buffers, reproducibly from a generator
+    a.redraw_feature_maps_(torch.Generator().manual_seed(3))
+    b.redraw_feature_maps_(torch.Generator().manual_seed(3))
+    w2 = a.blocks[1].attn.feature_map.map__leaf_gaussian
+    assert not torch.equal(w[1], w2)
+    assert torch.equal(w2, b.blocks[1].attn.feature_map.map__leaf_gaussian)
+    assert not torch.equal(w2, c.blocks[1].attn.feature_map.map__leaf_gaussian)
+
+
+def test_redraw_changes_logits():
+    model = _model("polysketch")
+    idx = torch.randint(0, V, (1, 8))
+    before = model(idx)[0]
+    model.redraw_feature_maps_(torch.Generator().manual_seed(3))
+    assert not torch.allclose(model(idx)[0], before)
+
+
+def test_learned_preset_gets_gradients_in_both_branches():
+    model = _model("psf_learned")
+    idx = torch.randint(0, V, (2, 10))
+    _, loss = model(idx, idx)
+    loss.backward()
+    for blk in model.blocks:
+        fm = blk.attn.feature_map
+        for branch in ("branch1", "branch2"):
+            grads = [p.grad for n, p in fm.named_parameters() if n.startswith(f"map__{branch}")]
+            assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_loss_ignore_index_and_tied_embeddings():
+    model = _model("softmax")
+    assert model.lm_head.weight is model.wte.weight
+    untied = _model("softmax", tie_embeddings=False)
+    assert untied.num_parameters() == model.num_parameters() + V * 16
+    idx = torch.randint(0, V, (2, 6))
+    targets = idx.clone()
+    targets[:, :3] = -100
+    logits, loss = model(idx, targets)
+    ref = torch.nn.functional.cross_entropy(logits[:, 3:].flatten(0, 1), idx[:, 3:].flatten())
+    assert torch.allclose(loss, ref)
+
+
+def test_bf16_autocast_forward():
+    model = _model("psf_random")
+    idx = torch.randint(0, V, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
+    ref, _ = model(idx)
+    assert (logits.float() - ref).abs().max() < 0.05
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="n_embd"):
+        TransformerLM(TransformerConfig(n_embd=10, n_head=3))
+    with pytest.raises(ValueError, match="attention"):
+        TransformerLM(TransformerConfig(attention="nope"))
+    with pytest.raises(ValueError, match="n_layer"):
+        TransformerLM(TransformerConfig(n_layer=0))
+    with pytest.raises(ValueError, match="dropout"):
+        TransformerLM(TransformerConfig(dropout=1.0))
+    with pytest.raises(ValueError, match="chunk_size"):
+        TransformerLM(TransformerConfig(chunk_size=0))
+    model = _model("elu")
+    with pytest.raises(ValueError, match="idx"):
+        model(torch.full((1, 3), V))
+    with pytest.raises(ValueError, match="targets"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1.0)
