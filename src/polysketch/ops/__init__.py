@@ -24,6 +24,7 @@ from .chunked import (
 )
 from .cumsum import MAX_SQUARE_CUMSUM_ELEMENTS, cumsum_lt_multiply
 from .kernel import ALGORITHMS, kernel_attention, linear_attention
+from .mixed import LOCAL_KERNELS, mixed_attention, naive_mixed_attention
 from .naive import (
     DEFAULT_EPS,
     causal_mask,
@@ -36,6 +37,7 @@ from .recurrent import LinearAttentionState, linear_attention_step
 
 __all__ = [
     "ALGORITHMS",
+    "LOCAL_KERNELS",
     "DEFAULT_EPS",
     "MAX_SQUARE_CUMSUM_ELEMENTS",
     "LinearAttentionState",
@@ -46,6 +48,8 @@ __all__ = [
     "kernel_attention",
     "linear_attention",
     "linear_attention_step",
+    "mixed_attention",
+    "naive_mixed_attention",
     "naive_linear_attention",
     "noncausal_multiply",
     "polynomial_attention",

@@ -1,0 +1,487 @@
+"""Speed of causal kernelized attention vs ``torch.nn.functional.scaled_dot_product_attention``.
+
+One run measures, on one device and with a fixed thread count, for sequence lengths T:
+
+* **forward** (causal, B=1, H=4, D=E=64, fp32, inference mode) of
+  - ``sdpa``: ``scaled_dot_product_attention(q, k, v, is_causal=True)``;
+  - ``polysketch``: PolySketchFormer's attention, a degree-2 Gaussian sketch with r = 32 made
+    non-negative by self-tensoring (``square=True``, degree 4 effective, §2.1 and §4), run by
+    the chunked block algorithm (Theorem 3.1, b = 256), feature-map time INCLUDED;
+  - ``positive``: a plain (non-squared) map with F = 256, FAVOR+ positive random features with
+    m = 128 antithetic pairs (``features.create("positive", D, num_features=128)``), same op;
+* **decode**: time of one new token at position P, for ``polysketch`` the features of the new
+  token plus ``linear_attention_step`` on the state of a real prefill of P tokens (constant
+  size), for ``sdpa`` one query attending a KV cache of P keys (no cache append).
+
+Timing: ``time.perf_counter`` around each call (device synchronised), one warm-up call, then
+repeats until ``min_time`` seconds and ``min_repeats`` calls have passed (at most
+``max_repeats``); the median is reported. Matmul peak: the median GFLOP/s of an n×n fp32
+matmul, n = 4096 (2048 with ``quick``), timed in the same run.
+
+FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is a lower
+bound), for ``chunked_lt_multiply`` with N = ⌈T/b⌉ blocks of b rows, F features, value width
+E' = E + 1 (values [V 1]) and F' = F² if ``square`` else F::
+
+    2 N b² F  +  2 N b² E'  [+ N b² square]                      local lt blocks
+    + 2 N b F' E'  [+ N b F E' outer products]                   block states
+    + N F' E'                                                    prefix sums over blocks
+    + 2 N b F' E'  [+ 2 N b F E' second contraction]             queries read the prefix
+    + T E                                                        normalisation
+
+and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
+
+Peak memory: with CUDA the measured ``torch.cuda.max_memory_allocated`` delta of the call;
+on CPU an ANALYTIC estimate (in MiB) of the tensors alive at the peak of the call: for ours
+inputs 3TD, features 2TF, [V 1] TE', block scores 2Nb², states and prefix 2NF'E', square
+temporaries 2TFE', output TE'; for SDPA inputs and output 4TD plus, when its math backend is
+chosen, the 2T² score/probability matrices (the fused CPU flash kernel stores no T×T matrix).
+The ``max_memory_gb`` budget skips SDPA sizes whose T×T fp32 score matrix B·H·T²·4 bytes
+would exceed it (reported ``skipped (memory)``), whatever backend would have run.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as nnf
+
+from .._checks import check_float, check_positive_int
+from ..features import create
+from ..ops import linear_attention, linear_attention_step
+
+__all__ = [
+    "BenchConfig",
+    "DEFAULT_LENGTHS",
+    "QUICK_LENGTHS",
+    "parse_lengths",
+    "chunked_flops",
+    "sdpa_flops",
+    "time_call",
+    "run_benchmark",
+    "write_csv",
+    "plot_results",
+    "format_report",
+]
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+QUICK_LENGTHS = (128, 256, 512)
+CSV_FIELDS = (
+    "section", "method", "T", "status", "median_ms", "min_ms", "repeats", "speedup_vs_sdpa",
+    "gflop", "gflops_per_s", "pct_of_peak", "mem_mib", "mem_kind", "feature_dim", "state_dim",
+)  # fmt: skip
+
+
+@dataclass
+class BenchConfig:
+    """What to measure; see the module docstring. ``quick`` = a small, fast version."""
+
+    lengths: Sequence[int] = DEFAULT_LENGTHS
+    decode_positions: Sequence[int] | None = None  # default: the lengths
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    chunk_size: int = 256
+    sketch_dim: int = 32
+    plain_pairs: int = 128
+    max_memory_gb: float = 8.0
+    min_time: float = 0.5
+    min_repeats: int = 3
+    max_repeats: int = 50
+    matmul_n: int = 4096
+    threads: int | None = None  # default: os.cpu_count()
+    device: str = "cpu"
+    seed: int = 0
+    progress: bool = True
+
+    @classmethod
+    def quick(cls, **overrides) -> BenchConfig:
+        base = dict(
+            lengths=QUICK_LENGTHS, min_time=0.0, min_repeats=1, max_repeats=1, matmul_n=1024
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def parse_lengths(text: str | Sequence) -> tuple[int, ...]:
+    """ "1k,2k,4096" or ["1k", "2048"] -> (1024, 2048, 4096); k = 1024."""
+    items = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        s = str(item).strip().lower()
+        mult = 1024 if s.endswith("k") else 1
+        try:
+            value = int(float(s[:-1] if mult > 1 else s) * mult)
+        except ValueError as err:
+            raise ValueError(f"lengths must be integers like 1024 or 1k, got {item!r}") from err
+        out.append(check_positive_int(value, "lengths"))
+    if not out:
+        raise ValueError("lengths must name at least one length")
+    return tuple(sorted(set(out)))
+
+
+def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, square: bool):
+    """FLOPs of causal ``chunked_lt_multiply`` + normalisation per (batch, head) slice."""
+    b = min(chunk_size, t)
+    n = -(-t // b)
+    f, e1 = feature_dim, value_dim + 1
+    fe = f * f if square else f
+    local = 2 * n * b * b * f + 2 * n * b * b * e1 + (n * b * b if square else 0)
+    states = 2 * n * b * fe * e1 + (n * b * f * e1 if square else 0)
+    apply = 2 * n * b * fe * e1 + (2 * n * b * f * e1 if square else 0)
+    return local + states + n * fe * e1 + apply + t * value_dim
+
+
+def sdpa_flops(t: int, *, head_dim: int, value_dim: int) -> int:
+    """Useful FLOPs of causal softmax attention per slice: T²(D + E)."""
+    return t * t * (head_dim + value_dim)
+
+
+def _chunked_memory(t, *, d, f, e, chunk, square) -> int:
+    b = min(chunk, t)
+    n = -(-t // b)
+    fe = f * f if square else f
+    floats = 3 * t * d + 2 * t * f + 2 * t * (e + 1) + 2 * n * b * b + 2 * n * fe * (e + 1)
+    return 4 * (floats + (2 * t * f * (e + 1) if square else 0))
+
+
+def _sdpa_memory(t, *, d, math_backend: bool) -> int:
+    return 4 * (4 * t * d + (2 * t * t if math_backend else 0))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], *, device, min_time, min_repeats, max_repeats):
+    """(median seconds, calls, min seconds) of ``fn()`` after one warm-up call (module doc)."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_repeats or (
+        time.perf_counter() - start < min_time and len(times) < max_repeats
+    ):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times), min(times)
+
+
+def _peak_memory(fn, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _sdpa_uses_math(q: torch.Tensor) -> bool:
+    """True when SDPA would pick its math backend (materialising T×T) for these inputs."""
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    if choice is None:
+        return True
+    try:
+        return int(choice(q, q, q, is_causal=True)) == 0
+    except (RuntimeError, TypeError):
+        return True
+
+
+def _sdpa_forward(q, k, v):
+    return nnf.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _ours_forward(fmap, q, k, v, chunk_size):
+    return linear_attention(
+        fmap.query(q), fmap.key(k), v, causal=True, square=fmap.square, chunk_size=chunk_size
+    )
+
+
+def _sdpa_decode(q1, k_cache, v_cache):
+    return nnf.scaled_dot_product_attention(q1, k_cache, v_cache)
+
+
+def _ours_decode(fmap, q1, k1, v1, state):
+    return linear_attention_step(fmap.query(q1), fmap.key(k1), v1, state, square=fmap.square)
+
+
+def _matmul(x):
+    return x @ x
+
+
+class _Rows(list):
+    """Result rows (dicts with the ``CSV_FIELDS`` keys) given the measured matmul peak."""
+
+    def __init__(self, peak: float):
+        super().__init__()
+        self.peak = peak
+
+    def add(self, section, method, t, status, timing=None, flop=None, mem=None, fmap=None):
+        r = dict.fromkeys(CSV_FIELDS, "")
+        r.update(section=section, method=method, T=t, status=status, repeats=0)
+        sec = None
+        if timing is not None:
+            sec, r["repeats"], fastest = timing
+            r["median_ms"], r["min_ms"] = sec * 1e3, fastest * 1e3
+        if flop is not None and sec is not None:
+            r["gflop"] = flop / 1e9
+            r["gflops_per_s"] = flop / sec / 1e9
+            r["pct_of_peak"] = 100 * flop / sec / 1e9 / self.peak
+        if mem is not None:
+            r["mem_mib"], r["mem_kind"] = mem[0] / 2**20, mem[1]
+        if fmap is not None:
+            r["feature_dim"], r["state_dim"] = fmap.feature_dim, fmap.state_dim
+        self.append(r)
+
+
+def _bench_maps(config: BenchConfig, device) -> dict:
+    d = config.head_dim
+    maps = {
+        "polysketch": create(
+            "polysketch", d, degree=2, num_features=config.sketch_dim, nonnegative=True,
+            seed=config.seed,
+        ),
+        "positive": create(
+            "positive", d, num_features=config.plain_pairs, scale=1 / math.sqrt(d),
+            seed=config.seed,
+        ),
+    }  # fmt: skip
+    return {k: m.to(device) for k, m in maps.items()}
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    """Run every measurement of ``config``; returns rows, peak and summary (for CSV/plots).
+
+    Sets ``torch.set_num_threads(config.threads or os.cpu_count())`` for the run and restores
+    the previous thread count afterwards. Runs under ``torch.inference_mode``.
+    """
+    previous_threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            return _run(config)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(config: BenchConfig) -> dict:
+    from tqdm.auto import tqdm
+
+    lengths = parse_lengths(config.lengths)
+    positions = parse_lengths(config.decode_positions or lengths)
+    budget = check_float(config.max_memory_gb, "max_memory_gb", minimum=0.0) * 2**30
+    chunk = check_positive_int(config.chunk_size, "chunk_size")
+    device = torch.device(config.device)
+    threads = config.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    bsz, h, d, e = config.batch, config.heads, config.head_dim, config.head_dim
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    maps = _bench_maps(config, device)
+    timer = dict(
+        device=device,
+        min_time=config.min_time,
+        min_repeats=config.min_repeats,
+        max_repeats=config.max_repeats,
+    )
+    steps = 1 + (len(lengths) + len(positions)) * (1 + len(maps))
+    bar = tqdm(total=steps, desc="bench", disable=not config.progress, file=sys.stderr)
+
+    n = config.matmul_n
+    t_mm = time_call(partial(_matmul, randn(n, n)), **timer)[0]
+    rows = _Rows(peak=2 * n**3 / t_mm / 1e9)
+    bar.update()
+
+    for t in lengths:
+        bar.set_postfix_str(f"forward T={t}")
+        q, k, v = randn(bsz, h, t, d), randn(bsz, h, t, d), randn(bsz, h, t, e)
+        if bsz * h * t * t * 4 > budget:
+            rows.add("forward", "sdpa", t, "skipped (memory)")
+        else:
+            fn = partial(_sdpa_forward, q, k, v)
+            measured = _peak_memory(fn, device)
+            est = bsz * h * _sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
+            mem = (measured, "cuda") if measured is not None else (est, "analytic")
+            flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
+            rows.add("forward", "sdpa", t, "ok", time_call(fn, **timer), flop, mem)
+        bar.update()
+        for name, fmap in maps.items():
+            fn = partial(_ours_forward, fmap, q, k, v, chunk)
+            f, sq = fmap.feature_dim, fmap.square
+            measured = _peak_memory(fn, device)
+            est = bsz * h * _chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq)
+            mem = (measured, "cuda") if measured is not None else (est, "analytic")
+            flop = chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
+            rows.add("forward", name, t, "ok", time_call(fn, **timer), bsz * h * flop, mem, fmap)
+            bar.update()
+
+    for p in positions:
+        bar.set_postfix_str(f"decode P={p}")
+        q1, k1, v1 = randn(bsz, h, 1, d), randn(bsz, h, 1, d), randn(bsz, h, 1, e)
+        cache_bytes = bsz * h * p * (d + e) * 4
+        if cache_bytes > budget:
+            rows.add("decode", "sdpa", p, "skipped (memory)")
+        else:
+            fn = partial(_sdpa_decode, q1, randn(bsz, h, p, d), randn(bsz, h, p, e))
+            mem = (cache_bytes, "kv-cache")
+            rows.add("decode", "sdpa", p, "ok", time_call(fn, **timer), mem=mem)
+        bar.update()
+        for name, fmap in maps.items():
+            pre_q, pre_k, pre_v = randn(bsz, h, p, d), randn(bsz, h, p, d), randn(bsz, h, p, e)
+            _, state = linear_attention(
+                fmap.query(pre_q), fmap.key(pre_k), pre_v, causal=True, square=fmap.square,
+                chunk_size=chunk, return_state=True,
+            )  # fmt: skip
+            timing = time_call(partial(_ours_decode, fmap, q1, k1, v1, state), **timer)
+            nbytes = 4 * (state.numerator.numel() + state.denominator.numel())
+            rows.add("decode", name, p, "ok", timing, mem=(nbytes, "state"), fmap=fmap)
+            bar.update()
+    bar.close()
+    return {
+        "rows": list(rows),
+        "peak_gflops": rows.peak,
+        "threads": threads,
+        "device": str(device),
+        "summary": _summarize(rows, lengths, list(maps)),
+        "config": config,
+    }
+
+
+def _times(rows, section, method) -> dict[int, float]:
+    return {
+        r["T"]: r["median_ms"]
+        for r in rows
+        if r["section"] == section and r["method"] == method and r["status"] == "ok"
+    }
+
+
+def _summarize(rows, lengths, ours: list[str]) -> dict:
+    """Speed-ups vs SDPA, crossover lengths, growth exponents and decode flatness."""
+    sdpa = _times(rows, "forward", "sdpa")
+    out: dict = {}
+    for name in ours:
+        mine = _times(rows, "forward", name)
+        for r in rows:
+            if r["section"] == "forward" and r["method"] == name and r["T"] in sdpa:
+                r["speedup_vs_sdpa"] = sdpa[r["T"]] / r["median_ms"]
+        faster = [t for t in lengths if t in sdpa and t in mine and mine[t] < sdpa[t]]
+        big = [t for t in lengths if t >= 4096 and t in mine]
+        slope = None
+        if len(big) >= 2:  # least-squares exponent of time ~ T^slope over T >= 4k
+            xs = [math.log(t) for t in big]
+            ys = [math.log(mine[t]) for t in big]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True)) / sum(
+                (a - mx) ** 2 for a in xs
+            )
+        dec = _times(rows, "decode", name)
+        sdpa_dec = _times(rows, "decode", "sdpa")
+        dec_faster = [p for p in sorted(dec) if p in sdpa_dec and dec[p] < sdpa_dec[p]]
+        out[name] = {
+            "decode_crossover": dec_faster[0] if dec_faster else None,
+            "crossover": faster[0] if faster else None,
+            "faster_from_crossover_on": bool(faster)
+            and all(mine[t] < sdpa[t] for t in lengths if t >= faster[0] and t in sdpa),
+            "growth_exponent": slope,
+            "decode_max_over_min": max(dec.values()) / min(dec.values()) if dec else None,
+        }
+    return out
+
+
+def write_csv(rows: Sequence[dict], path) -> Path:
+    """Write the result rows to ``path`` (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return path
+
+
+def plot_results(rows: Sequence[dict], path) -> Path:
+    """Log-log time vs T (forward) and time vs position (decode), one line per method."""
+    from .plots import log_axes, save_png, subplots
+
+    fig, axes = subplots(2, ncols=2)
+    for ax, section, xlabel in zip(
+        axes, ("forward", "decode"), ("sequence length T", "decode position P"), strict=True
+    ):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted(_times(rows, section, method).items())
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", ms=4, label=method)
+        log_axes(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("median time (ms)")
+        ax.set_title(f"causal {section}" if section == "forward" else "decode step")
+        ax.legend(fontsize=8)
+    return save_png(fig, path)
+
+
+_COLUMNS = {
+    "median_ms": "10.3f",
+    "min_ms": "10.3f",
+    "speedup_vs_sdpa": "7.2f",
+    "gflops_per_s": "8.1f",
+    "pct_of_peak": "6.1f",
+    "mem_mib": "9.1f",
+}
+
+
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if value != "" else ""
+
+
+def format_report(result: dict) -> str:
+    """Human-readable tables and the summary of ``run_benchmark``'s result."""
+    cfg = result["config"]
+    lines = [
+        f"device {result['device']}, torch.set_num_threads({result['threads']}), fp32, "
+        f"B={cfg.batch} H={cfg.heads} D=E={cfg.head_dim}, chunk b={cfg.chunk_size}",
+        f"measured matmul peak: {result['peak_gflops']:.1f} GFLOP/s ({cfg.matmul_n}² fp32)",
+        "",
+        f"{'section':<8} {'method':<11} {'T':>6} {'median ms':>10} {'min ms':>10} {'x SDPA':>7} "
+        f"{'GFLOP/s':>8} "
+        f"{'%peak':>6} {'MiB':>9} {'(mem)':<8} status",
+    ]
+    for r in result["rows"]:
+        c = {k: _fmt(r[k], spec) for k, spec in _COLUMNS.items()}
+        lines.append(
+            f"{r['section']:<8} {r['method']:<11} {r['T']:>6} {c['median_ms']:>10} "
+            f"{c['min_ms']:>10} {c['speedup_vs_sdpa']:>7} {c['gflops_per_s']:>8} "
+            f"{c['pct_of_peak']:>6} {c['mem_mib']:>9} {r['mem_kind']:<8} {r['status']}"
+        )
+    lines.append("")
+    for name, s in result["summary"].items():
+        cross = s["crossover"]
+        lines.append(
+            f"{name}: crossover (first T where it beats SDPA) = "
+            f"{cross if cross is not None else 'none measured'}"
+            + ("" if cross is None else f" (stays faster after: {s['faster_from_crossover_on']})")
+        )
+        if s["growth_exponent"] is not None:
+            lines.append(f"  time ~ T^{s['growth_exponent']:.2f} for T >= 4096 (1 = linear)")
+        if s["decode_max_over_min"] is not None:
+            lines.append(
+                f"  decode step time max/min over positions = {s['decode_max_over_min']:.2f}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""``polysketch bench``: CSV/PNG output of the quick run, FLOP formulas, length parsing."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+from polysketch import cli
+from polysketch.eval.bench import chunked_flops, parse_lengths, sdpa_flops
+
+
+def test_quick_bench_writes_csv_and_png(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    # 0.002 GB: the 4·4·512² B = 4 MiB score matrix of T = 512 is over budget, T <= 256 is not.
+    argv = ["bench", "--quick", "--out", str(tmp_path), "--no-progress", "--max-memory-gb", "0.002"]
+    assert cli.main(argv) == 0
+    assert torch.get_num_threads() == threads  # restored after the run
+    printed = capsys.readouterr().out
+    assert "crossover" in printed and "matmul peak" in printed
+
+    with (tmp_path / "results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    methods = {"sdpa", "polysketch", "positive"}
+    seen = {(r["section"], r["method"], int(r["T"])) for r in rows}
+    for section in ("forward", "decode"):
+        for t in (128, 256, 512):
+            assert {(section, m, t) for m in methods} <= seen
+    for r in rows:
+        if r["section"] == "forward" and r["method"] == "sdpa" and r["T"] == "512":
+            assert r["status"] == "skipped (memory)" and r["median_ms"] == ""
+            continue
+        assert r["status"] == "ok", r
+        ms = float(r["median_ms"])
+        assert math.isfinite(ms) and ms > 0
+        assert float(r["mem_mib"]) > 0
+        if r["section"] == "forward":
+            assert float(r["gflops_per_s"]) > 0
+    psk = [r for r in rows if r["method"] == "polysketch"]
+    assert all(int(r["feature_dim"]) == 32 and int(r["state_dim"]) == 1024 for r in psk)
+    pos = [r for r in rows if r["method"] == "positive"]
+    assert all(int(r["feature_dim"]) == 256 for r in pos)
+
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_parse_lengths():
+    assert parse_lengths("1k, 2k,4096") == (1024, 2048, 4096)
+    assert parse_lengths(["64k", "512"]) == (512, 65536)
+    with pytest.raises(ValueError, match="lengths"):
+        parse_lengths("1k,abc")
+    with pytest.raises(ValueError, match="lengths"):
+        parse_lengths("0")
+    with pytest.raises(ValueError, match="lengths"):
+        parse_lengths("")
+
+
+def test_chunked_flops_formula():
+    """One block of b = T rows equals the hand count; full blocks scale linearly in T."""
+    t, f, e = 8, 3, 2
+    e1 = e + 1
+    plain = 2 * t * t * f + 2 * t * t * e1 + 2 * t * f * e1 + f * e1 + 2 * t * f * e1 + t * e
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=False) == plain
+    square = (
+        2 * t * t * f + 2 * t * t * e1 + t * t  # local blocks, squared scores
+        + 2 * t * f * f * e1 + t * f * e1  # state
+        + f * f * e1  # prefix
+        + 2 * t * f * f * e1 + 2 * t * f * e1  # apply
+        + t * e
+    )  # fmt: skip
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=True) == square
+    kw = dict(feature_dim=32, value_dim=64, chunk_size=256, square=True)
+    assert chunked_flops(2 * 4096, **kw) == 2 * chunked_flops(4096, **kw)
+    assert sdpa_flops(2048, head_dim=64, value_dim=64) == 4 * sdpa_flops(
+        1024, head_dim=64, value_dim=64
+    )
+
+
+def test_bench_rejects_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="chunk_size"):
+        cli.main(["bench", "--quick", "--out", str(tmp_path), "--chunk-size", "0"])
+    with pytest.raises(ValueError, match="lengths"):
+        cli.main(["bench", "--quick", "--out", str(tmp_path), "--lengths", "x"])
+    with pytest.raises(ValueError, match="max_memory_gb"):
+        cli.main(["bench", "--quick", "--out", str(tmp_path), "--max-memory-gb", "-1"])
