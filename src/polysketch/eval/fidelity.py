@@ -1,0 +1,496 @@
+"""Fidelity of feature maps: how well φq(Q)φk(K)ᵀ reproduces the target kernel matrix.
+
+For queries Q: (Nq, D) and keys K: (Nk, D) (any leading dims, e.g. heads, are allowed and
+treated as a batch), a feature map gives the approximate kernel matrix
+``A = φq(Q) φk(K)ᵀ`` (squared elementwise for ``square`` maps) and its ``target_kernel``
+gives the exact matrix ``E`` (for polynomial maps ``E = (Q Kᵀ)^{∘p}``). Metrics:
+
+- relative Frobenius error ``‖A − E‖_F / ‖E‖_F``;
+- RMAE, LLoPS Eq. 21: ``mean_ij |E_ij − A_ij| / |E_ij|``;
+- max relative error ``max_ij |E_ij − A_ij| / |E_ij|``;
+- the Eckart–Young optimum (LLoPS Thm 3.1, Eq. 7): no m-dimensional feature map can beat
+  ``min_{rank ≤ m} ‖A − E‖_F = sqrt(Σ_{i>m} σ_i²)``, σ_i the singular values of E, reached by
+  the truncated SVD ``U Σ_m Vᵀ``. A map's effective rank is its ``state_dim`` (F, or F² for
+  ``square`` maps, whose scores are (φq·φk)² = (φq⊗φq)·(φk⊗φk)).
+
+**Denominator guard.** Eq. 21 divides by the exact score. For data whose scores have a
+density at zero (e.g. Gaussian q, k) the expectation of Eq. 21 is infinite (∫ ds/|s| diverges
+at s = 0), so the sample mean is dominated by the few pairs with the smallest |E_ij|. RMAE
+and the max relative error therefore divide by ``max(|E_ij|, rel_floor · max_ij |E_ij|)``
+(per matrix, ``rel_floor`` default 1e-3): pairs whose exact score is below 0.1% of the
+largest score are measured relative to that floor. ``rel_floor=0`` gives Eq. 21 verbatim
+(inf when some E_ij = 0 and A_ij ≠ 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from tqdm.auto import tqdm
+
+from .._checks import check_choice, check_float, check_int, check_positive_int, check_tensor
+from ..features import FeatureMap, get_class
+from ..random import fresh_seed, make_generator
+
+__all__ = [
+    "polynomial_target",
+    "kernel_matrices",
+    "relative_frobenius_error",
+    "rmae",
+    "max_relative_error",
+    "OptimalError",
+    "optimal_rank_approximation",
+    "optimal_rank_error_of",
+    "optimal_rank_error",
+    "optimal_curve",
+    "evaluate_map",
+    "sweep",
+]
+
+METRICS = ("rel_frobenius", "rmae", "max_rel")
+
+
+def _check_qk(q, k) -> tuple[torch.Tensor, torch.Tensor]:
+    q = check_tensor(q, "q", min_dim=2)
+    k = check_tensor(k, "k", min_dim=2, last_dim=q.shape[-1])
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+    return q, k
+
+
+def _check_pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
+    approx = check_tensor(approx, "approx")
+    exact = check_tensor(exact, "exact")
+    if approx.shape != exact.shape:
+        raise ValueError(
+            f"approx and exact must have the same shape, got {tuple(approx.shape)} "
+            f"and {tuple(exact.shape)}"
+        )
+    return approx.to(torch.float64), exact.to(torch.float64)
+
+
+def polynomial_target(q: torch.Tensor, k: torch.Tensor, degree: int) -> torch.Tensor:
+    """(Q Kᵀ)^{∘p}: q (..., Nq, D), k (..., Nk, D) -> (..., Nq, Nk) (LLoPS Eq. 22)."""
+    q, k = _check_qk(q, k)
+    degree = check_positive_int(degree, "degree")
+    return (q @ k.transpose(-1, -2)) ** degree
+
+
+@torch.no_grad()
+def kernel_matrices(
+    feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, E) = (φq(Q)φk(K)ᵀ [squared if square], target_kernel(Q, K)), each (..., Nq, Nk)."""
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
+    q, k = _check_qk(q, k)
+    return feature_map.approx_kernel(q, k), feature_map.target_kernel(q, k)
+
+
+def relative_frobenius_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """‖A − E‖_F / ‖E‖_F over all entries (and leading dims); 0/0 = 0, x/0 = inf."""
+    approx, exact = _check_pair(approx, exact)
+    num, den = float((approx - exact).norm()), float(exact.norm())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _relative_entries(approx, exact, rel_floor) -> torch.Tensor:
+    """|A − E| / max(|E|, rel_floor · max|E|), elementwise (see the module docstring)."""
+    approx, exact = _check_pair(approx, exact)
+    rel_floor = check_float(rel_floor, "rel_floor", minimum=0.0)
+    mag = exact.abs()
+    floor = rel_floor * float(mag.max()) if mag.numel() else 0.0
+    err = (approx - exact).abs()
+    den = mag.clamp_min(floor)
+    # 0/0 (exact zero score reproduced exactly) counts as no error.
+    return torch.where(err == 0, torch.zeros_like(err), err / den)
+
+
+def rmae(approx: torch.Tensor, exact: torch.Tensor, *, rel_floor: float = 1e-3) -> float:
+    """Relative mean absolute error, LLoPS Eq. 21: mean_ij |E_ij − A_ij| / |E_ij|.
+
+    approx, exact: (..., Nq, Nk). The denominator is guarded by ``rel_floor`` (module
+    docstring); ``rel_floor=0`` is Eq. 21 verbatim.
+    """
+    return float(_relative_entries(approx, exact, rel_floor).mean())
+
+
+def max_relative_error(
+    approx: torch.Tensor, exact: torch.Tensor, *, rel_floor: float = 1e-3
+) -> float:
+    """max_ij |E_ij − A_ij| / max(|E_ij|, rel_floor · max|E|): the worst guarded entry."""
+    return float(_relative_entries(approx, exact, rel_floor).max())
+
+
+class OptimalError(NamedTuple):
+    """The least Frobenius error of a rank-``rank`` approximation (LLoPS Eq. 7)."""
+
+    absolute: float  # sqrt(Σ_{i>m} σ_i²)
+    relative: float  # absolute / ‖E‖_F
+    rank: int
+
+
+def _singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """σ_1 ≥ σ_2 ≥ ... of each (..., N, M) matrix, computed in float64."""
+    return torch.linalg.svdvals(matrix.to(torch.float64))
+
+
+def optimal_rank_approximation(matrix: torch.Tensor, rank: int) -> torch.Tensor:
+    """Truncated SVD U Σ_m Vᵀ of ``matrix`` (..., N, M): the best rank-m approximation (Eq. 7).
+
+    Returned in float64. By Thm 3.1 it is reached by the linear feature maps
+    φq*(Q) = ψp(Q) W_Q*, φk*(K) = ψp(K) W_K* (Eq. 8).
+    """
+    matrix = check_tensor(matrix, "matrix", min_dim=2)
+    rank = check_positive_int(rank, "rank")
+    u, s, vh = torch.linalg.svd(matrix.to(torch.float64), full_matrices=False)
+    m = min(rank, s.shape[-1])
+    return (u[..., :m] * s[..., None, :m]) @ vh[..., :m, :]
+
+
+def _tail_error(sv: torch.Tensor, rank: int) -> OptimalError:
+    total = float(sv.square().sum())
+    tail = float(sv[..., rank:].square().sum()) if rank < sv.shape[-1] else 0.0
+    absolute = math.sqrt(tail)
+    relative = absolute / math.sqrt(total) if total > 0 else 0.0
+    return OptimalError(absolute, relative, rank)
+
+
+def optimal_rank_error_of(matrix: torch.Tensor, rank: int) -> OptimalError:
+    """Least ‖A − E‖_F over rank-m A for E = ``matrix`` (..., N, M): sqrt(Σ_{i>m} σ_i²).
+
+    Eckart–Young (LLoPS §3.1): any m-dimensional feature map gives rank(φq φkᵀ) ≤ m, so no
+    map with state size m does better. Leading dims are independent matrices (errors add in
+    squares). Also returned relative to ‖E‖_F.
+    """
+    matrix = check_tensor(matrix, "matrix", min_dim=2)
+    rank = check_positive_int(rank, "rank")
+    return _tail_error(_singular_values(matrix), rank)
+
+
+def optimal_rank_error(q: torch.Tensor, k: torch.Tensor, degree: int, rank: int) -> OptimalError:
+    """The rank-m optimum (LLoPS Thm 3.1) for the polynomial kernel matrix (Q Kᵀ)^{∘p}.
+
+    q: (..., Nq, D), k: (..., Nk, D). For a ``square`` map use rank = state_dim = F².
+    """
+    return optimal_rank_error_of(polynomial_target(q, k, degree), rank)
+
+
+def optimal_curve(
+    q: torch.Tensor, k: torch.Tensor, *, degrees: Sequence[int], ranks: Sequence[int]
+) -> list[dict]:
+    """Rows {"degree", "rank", "absolute", "relative"} of the optimum for (Q Kᵀ)^{∘p}.
+
+    One SVD per degree, reused for every rank (for plotting the bound vs feature dim).
+    """
+    rows = []
+    for degree in degrees:
+        sv = _singular_values(polynomial_target(q, k, degree))
+        for rank in ranks:
+            opt = _tail_error(sv, check_positive_int(rank, "ranks"))
+            rows.append(
+                {
+                    "degree": int(degree),
+                    "rank": int(rank),
+                    "absolute": opt.absolute,
+                    "relative": opt.relative,
+                }
+            )
+    return rows
+
+
+# ----- evaluating maps ---------------------------------------------------------------------
+def _keywords(fn) -> set[str] | None:
+    """Keyword names callable ``fn`` accepts (None when it takes **kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _constructor_keywords(cls: type) -> set[str] | None:
+    """Keyword names ``cls.__init__`` accepts (None when it takes **kwargs)."""
+    return _keywords(cls.__init__)
+
+
+def _accepts(keywords: set[str] | None, name: str) -> bool:
+    return keywords is None or name in keywords
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    std = float(t.std()) if t.numel() > 1 else 0.0
+    return float(t.mean()), std
+
+
+def _fit(feature_map, q_fit, k_fit, steps: int, seed: int) -> None:
+    """Calibrate a learnable map (one with a ``fit`` method, e.g. LLoPS) on sampled q, k."""
+    keywords = _keywords(feature_map.fit)
+    kwargs = {"steps": steps}
+    if _accepts(keywords, "progress"):
+        kwargs["progress"] = False
+    if _accepts(keywords, "seed"):
+        kwargs["seed"] = seed
+    with torch.enable_grad():
+        feature_map.fit(q_fit, k_fit, **kwargs)
+
+
+def evaluate_map(
+    name: str | FeatureMap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    degree: int = 2,
+    num_features: int | None = None,
+    trials: int = 5,
+    seed: int = 0,
+    rel_floor: float = 1e-3,
+    optimum_floor: float = 1e-9,
+    fit_steps: int = 0,
+    fit_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fit_trials: int = 1,
+    target: str = "map",
+    **map_kwargs,
+) -> dict:
+    """Mean ± std of the fidelity metrics of one map over ``trials`` seeded draws.
+
+    Args:
+        name: a registry name (built with ``create(name, D, degree=, num_features=, seed=,
+            **map_kwargs)``, passing only the keywords its constructor accepts) or a
+            ``FeatureMap`` instance (deep-copied; random ones are redrawn per trial).
+        q, k: (..., Nq, D), (..., Nk, D) samples; use float64 for meaningful small errors.
+        degree: p, passed to maps that take ``degree=``.
+        num_features: F asked (None: the map's default), passed to maps that take it.
+        trials: number of seeded draws for random maps (maps without randomness, i.e. neither
+            ``is_random`` nor a ``seed=`` keyword, are evaluated once).
+        seed: base seed; trial t uses the t-th seed drawn from ``make_generator(seed)``.
+        rel_floor: denominator guard of RMAE / max relative error (module docstring).
+        optimum_floor: when the optimal relative error at rank ``state_dim`` (mean over
+            trials when the target depends on the draw) is below this
+            (the target matrix has rank ≤ state_dim, e.g. state_dim ≥ min(Nq, Nk) or ≥ the
+            dimension of the polynomial feature space, so Eckart–Young allows zero error up to
+            rounding), ``ratio_to_optimal`` is NaN: any nonzero error divided by a rounding-
+            level optimum is meaningless. ``ratio_note`` then says why.
+        fit_steps: if > 0 and the map has ``fit`` (LLoPS), calibrate it first on ``fit_data``
+            (default: q, k themselves, i.e. an in-sample fit).
+        fit_trials: the most trials done for a fitted map (fitting is costly and the fitted
+            map depends little on its initial draw).
+        target: ``"map"`` measures against the map's ``target_kernel`` (the kernel it computes
+            or estimates); ``"polynomial"`` against (Q Kᵀ)^{∘p} at ``degree``, which shows how
+            well maps with other targets (baselines, learned maps) imitate the polynomial
+            kernel. The row's ``target`` names the kernel measured against: ``"(q·k)^d"`` when
+            the matrix is the degree-d polynomial kernel (checked numerically, d ≤ 8), else
+            ``"own kernel"``.
+
+    Returns a dict with ``map``, ``kind``, ``degree``, ``num_features`` (asked), ``feature_dim``,
+    ``state_dim``, ``square``, ``trials`` (done), ``{metric}_mean`` / ``{metric}_std`` for
+    ``rel_frobenius``, ``rmae``, ``max_rel``, ``optimal_rel`` / ``optimal_abs`` (at rank
+    state_dim, on the map's own target kernel), ``ratio_to_optimal``, ``ratio_note``,
+    ``fitted`` (steps), ``target`` and ``seconds``.
+    """
+    q, k = _check_qk(q, k)
+    degree = check_positive_int(degree, "degree")
+    trials = check_positive_int(trials, "trials")
+    seed = check_int(seed, "seed", minimum=0)
+    fit_steps = check_int(fit_steps, "fit_steps", minimum=0)
+    fit_trials = check_positive_int(fit_trials, "fit_trials")
+    target = check_choice(target, "target", ("map", "polynomial"))
+    if num_features is not None:
+        num_features = check_positive_int(num_features, "num_features")
+    start = time.perf_counter()
+    gen = make_generator(seed)
+
+    if isinstance(name, FeatureMap):
+        template = copy.deepcopy(name)
+        label = template.name or type(template).__name__
+        stochastic = template.is_random
+
+        def build(trial_seed: int) -> FeatureMap:
+            fm = copy.deepcopy(template)
+            if stochastic:
+                fm.redraw_(make_generator(trial_seed))
+            return fm
+
+    elif isinstance(name, str):
+        cls = get_class(name)
+        label = name
+        keywords = _constructor_keywords(cls)
+        kwargs = dict(map_kwargs)
+        if _accepts(keywords, "degree"):
+            kwargs.setdefault("degree", degree)
+        if num_features is not None and _accepts(keywords, "num_features"):
+            kwargs.setdefault("num_features", num_features)
+        stochastic = bool(cls.is_random) or (keywords is not None and "seed" in keywords)
+
+        def build(trial_seed: int) -> FeatureMap:
+            extra = {"seed": trial_seed} if stochastic and "generator" not in kwargs else {}
+            return cls(q.shape[-1], **kwargs, **extra)
+
+    else:
+        raise TypeError(f"name must be a map name or a FeatureMap, got {type(name).__name__}")
+
+    n_trials = trials if stochastic else 1
+    fitting = fit_steps > 0 and callable(getattr(build(0), "fit", None))
+    if fitting:
+        n_trials = min(n_trials, fit_trials)
+    values = {m: [] for m in METRICS}
+    fm = None
+    poly = polynomial_target(q, k, degree) if target == "polynomial" else None
+    optima = []
+    for _ in range(n_trials):
+        trial_seed = fresh_seed(gen)
+        fm = build(trial_seed).to(device=q.device, dtype=q.dtype)
+        if fitting:
+            q_fit, k_fit = fit_data if fit_data is not None else (q, k)
+            _fit(fm, q_fit, k_fit, fit_steps, trial_seed)
+        approx, own = kernel_matrices(fm, q, k)
+        # A random map's own target may depend on its draw (e.g. fpa with random W_l).
+        exact = own if poly is None else poly
+        if poly is None or not optima:
+            optima.append(optimal_rank_error_of(exact, fm.state_dim))
+        values["rel_frobenius"].append(relative_frobenius_error(approx, exact))
+        values["rmae"].append(rmae(approx, exact, rel_floor=rel_floor))
+        values["max_rel"].append(max_relative_error(approx, exact, rel_floor=rel_floor))
+
+    opt = OptimalError(
+        sum(o.absolute for o in optima) / len(optima),
+        sum(o.relative for o in optima) / len(optima),
+        fm.state_dim,
+    )
+    row = {
+        "map": label,
+        "kind": fm.kind,
+        "degree": degree,
+        "num_features": num_features,
+        "feature_dim": int(fm.feature_dim),
+        "state_dim": int(fm.state_dim),
+        "square": bool(fm.square),
+        "trials": n_trials,
+    }
+    for m in METRICS:
+        row[f"{m}_mean"], row[f"{m}_std"] = _mean_std(values[m])
+    row["optimal_rel"], row["optimal_abs"] = opt.relative, opt.absolute
+    if opt.relative <= optimum_floor:
+        row["ratio_to_optimal"] = math.nan
+        row["ratio_note"] = (
+            f"optimum ~0 at rank {opt.rank} (target rank <= state_dim): ratio undefined"
+        )
+    else:
+        row["ratio_to_optimal"] = row["rel_frobenius_mean"] / opt.relative
+        row["ratio_note"] = ""
+    row["fitted"] = fit_steps if fitting else 0
+    row["target"] = _describe_target(exact, q, k)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _describe_target(exact: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str:
+    """Name the kernel of ``exact``: "(q·k)^d" for the degree-d polynomial (d ≤ 8), or else
+    "own kernel"."""
+    s = (q @ k.transpose(-1, -2)).to(torch.float64)
+    exact = exact.to(torch.float64)
+    tol = 1e-9 if q.dtype == torch.float64 else 1e-4
+    for d in range(1, 9):
+        poly = s**d
+        if float((exact - poly).norm()) <= tol * float(poly.norm()):
+            return f"(q·k)^{d}"
+    return "own kernel"
+
+
+def _skipped(name, degree, num_features, reason) -> dict:
+    return {"map": name, "degree": degree, "num_features": num_features, "skipped": reason}
+
+
+def sweep(
+    names: Sequence[str],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    degrees: Sequence[int] = (2, 4),
+    feature_dims: Sequence[int] = (16, 32, 64, 128),
+    trials: int = 5,
+    seed: int = 0,
+    progress: bool = True,
+    max_feature_dim: int = 2**14,
+    map_kwargs: dict[str, dict] | None = None,
+    fit_maps: Sequence[str] | None = None,
+    **evaluate_kwargs,
+) -> list[dict]:
+    """``evaluate_map`` over maps × degrees × feature dims, with a tqdm progress bar.
+
+    Maps whose constructor has no ``num_features=`` (exact maps such as ``tensor_power``,
+    whose F is fixed by D and p) are evaluated once per degree (``num_features`` None).
+    A combination the map refuses (its constructor raises ValueError/TypeError, e.g. an
+    unsupported degree) or whose ``feature_dim`` exceeds ``max_feature_dim`` (the N×F
+    feature matrices would be too large) gives a row ``{"map", "degree", "num_features",
+    "skipped": reason}`` instead of an exception (an unknown map name gives one such row
+    with degree None); every other row has ``skipped`` = "".
+
+    Args:
+        map_kwargs: optional per-map extra constructor keywords, ``{name: {kw: value}}``.
+        fit_maps: when given, ``fit_steps`` applies only to these map names (the others are
+            measured as constructed).
+        evaluate_kwargs: passed to ``evaluate_map`` (rel_floor, fit_steps, fit_data, ...).
+
+    Returns the rows in order (map, degree, feature dim).
+    """
+    q, k = _check_qk(q, k)
+    max_feature_dim = check_positive_int(max_feature_dim, "max_feature_dim")
+    degrees = [check_positive_int(p, "degrees") for p in degrees]
+    feature_dims = [check_positive_int(f, "feature_dims") for f in feature_dims]
+    map_kwargs = dict(map_kwargs or {})
+    no_fit = {**evaluate_kwargs, "fit_steps": 0}
+    jobs, rows = [], []
+    for name in names:
+        try:
+            keywords = _constructor_keywords(get_class(name))
+        except (ValueError, TypeError) as err:  # unknown name: one skipped row, no crash
+            rows.append(_skipped(name, None, None, f"{type(err).__name__}: {err}"))
+            continue
+        dims = feature_dims if _accepts(keywords, "num_features") else [None]
+        jobs.extend((name, p, f) for p in degrees for f in dims)
+
+    bar = tqdm(jobs, desc="fidelity", disable=not progress, unit="map")
+    for name, degree, f in bar:
+        bar.set_postfix_str(f"{name} p={degree} F={f}")
+        kwargs = dict(map_kwargs.get(name, {}))
+        try:
+            probe = get_class(name)
+            keywords = _constructor_keywords(probe)
+            ctor = dict(kwargs)
+            if _accepts(keywords, "degree"):
+                ctor["degree"] = degree
+            if f is not None and _accepts(keywords, "num_features"):
+                ctor["num_features"] = f
+            if keywords is None or "seed" in keywords:
+                ctor.setdefault("seed", seed)
+            fdim = int(probe(q.shape[-1], **ctor).feature_dim)
+            if fdim > max_feature_dim:
+                rows.append(_skipped(name, degree, f, f"feature_dim {fdim} > {max_feature_dim}"))
+                continue
+            row = evaluate_map(
+                name,
+                q,
+                k,
+                degree=degree,
+                num_features=f,
+                trials=trials,
+                seed=seed,
+                **(evaluate_kwargs if fit_maps is None or name in fit_maps else no_fit),
+                **kwargs,
+            )
+        except (ValueError, TypeError, RuntimeError) as err:
+            rows.append(_skipped(name, degree, f, f"{type(err).__name__}: {err}"))
+            continue
+        row["skipped"] = ""
+        rows.append(row)
+    bar.close()
+    return rows

@@ -1,0 +1,156 @@
+"""End-to-end tests of `polysketch approx` (tiny sizes)."""
+
+import csv
+import math
+
+import torch
+
+from polysketch.cli import main
+from polysketch.commands.approx import POLYNOMIAL_MAPS, default_maps, format_table
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _read(path):
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_approx_polynomial_end_to_end(tmp_path, capsys):
+    out = tmp_path / "res"
+    argv = [
+        "approx",
+        "--maps",
+        "tensor_power",
+        "tensorsketch",
+        "llops",
+        "elementwise_power",
+        "--degrees",
+        "2",
+        "3",
+        "--feature-dims",
+        "8",
+        "16",
+        "--dim",
+        "4",
+        "--num",
+        "32",
+        "--trials",
+        "2",
+        "--fit-steps",
+        "5",
+        "--max-feature-dim",
+        "32",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rel Frobenius" in text and f"wrote {out / 'results.csv'}" in text
+    rows = _read(out / "results.csv")
+    ok = [r for r in rows if not r["skipped"]]
+    skipped = [r for r in rows if r["skipped"]]
+    assert len(ok) == 1 + 3 * 2 * 2  # tensor_power p=2 (p=3 has F=64 > 32), 3 maps x 2 p x 2 F
+    assert [(r["map"], r["degree"]) for r in skipped] == [("tensor_power", "3")]
+    for r in ok:
+        for key in ("rel_frobenius_mean", "rmae_mean", "max_rel_mean", "optimal_rel"):
+            assert math.isfinite(float(r[key]))
+        assert int(r["state_dim"]) >= 1
+    exact = next(r for r in ok if r["map"] == "tensor_power")
+    assert float(exact["rel_frobenius_mean"]) < 1e-12
+    assert all(r["fitted"] == "5" for r in ok if r["map"] == "llops")
+    assert all(r["fitted"] == "0" for r in ok if r["map"] != "llops")  # --fit-maps llops
+    assert len(_read(out / "optimal.csv")) > 0
+    png = (out / "fidelity.png").read_bytes()
+    assert png[:8] == PNG and len(png) > 5000
+
+
+def test_approx_from_file_and_bad_source(tmp_path, capsys):
+    torch.save({"q": torch.randn(20, 3), "k": torch.randn(24, 3)}, tmp_path / "qk.pt")
+    argv = [
+        "approx",
+        "--maps",
+        "symmetric_power",
+        "--degrees",
+        "2",
+        "--source",
+        str(tmp_path / "qk.pt"),
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    rows = _read(tmp_path / "results.csv")
+    assert len(rows) == 1 and float(rows[0]["rel_frobenius_mean"]) < 1e-12
+    assert rows[0]["feature_dim"] == "6"  # C(3 + 1, 2)
+    argv[argv.index("--source") + 1] = str(tmp_path / "missing.pt")
+    assert main(argv) == 2
+    assert "source" in capsys.readouterr().err
+
+
+def test_default_maps_are_registered_polynomial_maps():
+    names, skipped = default_maps(POLYNOMIAL_MAPS, 8)
+    assert "tensor_power" in names and "tensorsketch" in names
+    assert set(names) <= set(POLYNOMIAL_MAPS) and not skipped
+
+
+def test_format_table_lists_skips():
+    rows = [{"map": "m", "degree": 2, "num_features": 4, "skipped": "too big"}]
+    text = format_table(rows)
+    assert "skipped:" in text and "m p=2 F=4: too big" in text
+
+
+def test_approx_softmax_angles(tmp_path, capsys):
+    argv = [
+        "approx",
+        "--kernel",
+        "softmax",
+        "--maps",
+        "trig",
+        "positive",
+        "--num-angles",
+        "3",
+        "--trials",
+        "4",
+        "--feature-dims",
+        "8",
+        "--dim",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    rows = _read(tmp_path / "angles.csv")
+    assert {r["map"] for r in rows} == {"trig", "positive"} and len(rows) == 6
+    assert all(math.isfinite(float(r["mse"])) and r["num_features"] == "8" for r in rows)
+    assert (tmp_path / "angles.png").read_bytes()[:8] == PNG
+    assert f"wrote {tmp_path / 'angles.csv'}" in capsys.readouterr().out
+
+
+def test_approx_softmax_datasets(tmp_path):
+    argv = [
+        "approx",
+        "--kernel",
+        "softmax",
+        "--experiment",
+        "datasets",
+        "--maps",
+        "trig",
+        "positive",
+        "--num",
+        "5",
+        "--trials",
+        "2",
+        "--feature-dims",
+        "16",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    rows = _read(tmp_path / "datasets.csv")
+    assert {r["map"] for r in rows} == {"trig", "positive"}
+    assert all(r["dataset"] == "wine" and math.isfinite(float(r["mse"])) for r in rows)
+    assert (tmp_path / "datasets.png").read_bytes()[:8] == PNG
