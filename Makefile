@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/polysketch approx
+	$(VENV)/bin/polysketch demo
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
