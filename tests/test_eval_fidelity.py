@@ -349,3 +349,13 @@ def test_plot_fidelity_sweep(tmp_path, qk):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     empty = plot_fidelity_sweep([rows[-1]], tmp_path / "empty.png")
     assert empty.stat().st_size > 0
+
+
+def test_evaluate_map_builds_softmax_maps_that_forward_kwargs():
+    # positive's constructor forwards **kwargs to its base: degree= must not be passed to it
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(48, 6, generator=g, dtype=torch.float64) * 0.3
+    k = torch.randn(40, 6, generator=g, dtype=torch.float64) * 0.3
+    row = fid.evaluate_map("positive", q, k, degree=4, num_features=8, trials=2, seed=0)
+    assert row["feature_dim"] == 16 and row["target"] == "own kernel"
+    assert 0 < row["rel_frobenius_mean"] < 5

@@ -217,8 +217,22 @@ def _keywords(fn) -> set[str] | None:
 
 
 def _constructor_keywords(cls: type) -> set[str] | None:
-    """Keyword names ``cls.__init__`` accepts (None when it takes **kwargs)."""
-    return _keywords(cls.__init__)
+    """Keyword names ``cls.__init__`` accepts.
+
+    A constructor that forwards ``**kwargs`` to its base class accepts the base's keywords
+    too, so the classes of the MRO are walked until one takes no ``**kwargs``; None only when
+    every constructor up to ``FeatureMap`` forwards ``**kwargs``.
+    """
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        keywords = _keywords(klass.__init__)
+        if keywords is not None:
+            return names | keywords
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return None
 
 
 def _accepts(keywords: set[str] | None, name: str) -> bool:
