@@ -1,1 +1,40 @@
-"""Training loop and checkpoints."""
+"""Training: the loop (AdamW, warmup + cosine, accumulation, bf16, DDP), checkpoints, resume.
+
+- ``TrainConfig``, ``train(model_config, train_config, data, resume=..., progress=...)``.
+- ``MQARData``: an MQAR train/validation set for ``train``; a ``polysketch.data.Corpus`` is
+  the other accepted data.
+- ``warmup_cosine``: the LambdaLR schedule; ``learning_rate``: its formula.
+- ``save_checkpoint`` / ``load_checkpoint``: atomic checkpoints with RNG states.
+"""
+
+from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .distributed import DistContext, rank_slice
+from .loop import (
+    CHECKPOINT_NAME,
+    CorpusBatches,
+    MQARBatches,
+    MQARData,
+    TrainConfig,
+    param_groups,
+    train,
+)
+from .schedule import WarmupCosine, learning_rate, warmup_cosine
+
+__all__ = [
+    "TrainConfig",
+    "train",
+    "MQARData",
+    "CorpusBatches",
+    "MQARBatches",
+    "param_groups",
+    "CHECKPOINT_NAME",
+    "warmup_cosine",
+    "WarmupCosine",
+    "learning_rate",
+    "DistContext",
+    "rank_slice",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+]

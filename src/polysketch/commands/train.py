@@ -1,0 +1,214 @@
+"""``polysketch train``: train a TransformerLM on a text corpus or on MQAR.
+
+Trains the byte-level language model of ``polysketch.nn.TransformerLM`` with any attention
+(``--attention``: a feature-map name, ``softmax``, ``polynomial`` or a PolySketchFormer preset;
+``--map-kw key=value`` passes keywords to the feature map) on ``--corpus`` (``shakespeare``,
+``stdlib`` or a path to a text file / folder) or on the MQAR recall task (``--task mqar``).
+Writes ``metrics.csv``, ``metrics.jsonl`` and the checkpoint ``ckpt.pt`` into ``--out``;
+``--resume`` continues from it exactly (configs and data source come from the checkpoint;
+``--steps`` may extend the run). Under ``torchrun --nproc_per_node=N -m polysketch train ...``
+it trains data-parallel (DDP); ``--batch-size`` is the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from ..data.corpus import load_corpus
+from ..data.mqar import MQARConfig
+from ..nn import TransformerConfig, valid_attentions
+from ..train import CHECKPOINT_NAME, MQARData, TrainConfig, load_checkpoint, train
+from ..train.distributed import env_world_size, rank_slice
+
+__all__ = ["add_parser", "run", "parse_map_kwargs", "load_data", "ERROR_EXIT"]
+
+ERROR_EXIT = 2
+
+
+def parse_map_kwargs(items: list[str] | None) -> dict:
+    """``["num_features=32", "projection=gaussian"]`` -> ``{"num_features": 32, ...}``.
+
+    Values are Python literals when they parse as one (numbers, True/False/None, tuples),
+    else strings. Raises ValueError naming ``--map-kw`` for an item without ``=``.
+    """
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--map-kw expects key=value, got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``train`` on the top-level CLI's ``subparsers``."""
+    mdef, tdef = TransformerConfig(), TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train a small LM (corpus or MQAR) with any attention; checkpoints, resume, DDP",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = p.add_argument_group("data")
+    src = data.add_mutually_exclusive_group()
+    src.add_argument("--corpus", default="shakespeare", help="shakespeare | stdlib | PATH")
+    src.add_argument("--task", choices=["mqar"], default=None, help="synthetic task instead")
+    data.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
+    data.add_argument("--val-fraction", type=float, default=0.1)
+    data.add_argument("--mqar-vocab", type=int, default=256)
+    data.add_argument("--mqar-seq-len", type=int, default=64)
+    data.add_argument("--mqar-kv-pairs", type=int, default=8)
+    data.add_argument("--mqar-train", type=int, default=20000, help="training examples")
+    data.add_argument("--mqar-val", type=int, default=1000, help="validation examples")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--attention", default=mdef.attention)
+    model.add_argument(
+        "--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword (repeat)"
+    )
+    model.add_argument("--n-layer", type=int, default=mdef.n_layer)
+    model.add_argument("--n-head", type=int, default=mdef.n_head)
+    model.add_argument("--n-embd", type=int, default=mdef.n_embd)
+    model.add_argument("--block-size", type=int, default=mdef.block_size)
+    model.add_argument("--chunk-size", type=int, default=mdef.chunk_size)
+    model.add_argument("--dropout", type=float, default=mdef.dropout)
+    model.add_argument("--no-rope", action="store_true", help="disable rotary embeddings")
+
+    opt = p.add_argument_group("optimization")
+    opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
+    opt.add_argument("--batch-size", type=int, default=tdef.batch_size, help="global batch")
+    opt.add_argument("--lr", type=float, default=tdef.lr)
+    opt.add_argument("--min-lr", type=float, default=tdef.min_lr)
+    opt.add_argument("--warmup-steps", type=int, default=tdef.warmup_steps)
+    opt.add_argument("--weight-decay", type=float, default=tdef.weight_decay)
+    opt.add_argument("--grad-clip", type=float, default=tdef.grad_clip)
+    opt.add_argument("--grad-accum", type=int, default=tdef.grad_accum)
+    opt.add_argument("--amp", choices=["bf16"], default=None)
+    opt.add_argument("--seed", type=int, default=tdef.seed, help="model, feature maps, data")
+    opt.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="runs/train", help="folder for metrics and ckpt.pt")
+    out.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    out.add_argument("--eval-interval", type=int, default=tdef.eval_interval)
+    out.add_argument("--eval-batches", type=int, default=tdef.eval_batches)
+    out.add_argument("--log-interval", type=int, default=tdef.log_interval)
+    out.add_argument("--checkpoint-interval", type=int, default=None, help="default: at end")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _configs_from_args(args):
+    if args.attention not in valid_attentions():
+        raise ValueError(f"--attention must be one of {valid_attentions()}, got {args.attention!r}")
+    if args.task == "mqar":
+        source = {"task": "mqar", "vocab_size": args.mqar_vocab, "seq_len": args.mqar_seq_len,
+                  "num_kv_pairs": args.mqar_kv_pairs, "num_train": args.mqar_train,
+                  "num_val": args.mqar_val}  # fmt: skip
+        vocab, block = args.mqar_vocab, args.mqar_seq_len
+    else:
+        source = {"task": "corpus", "corpus": str(args.corpus), "max_bytes": args.max_bytes,
+                  "val_fraction": args.val_fraction}  # fmt: skip
+        vocab, block = 256, args.block_size
+    model_config = TransformerConfig(
+        vocab_size=vocab,
+        block_size=block,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        attention=args.attention,
+        map_kwargs=parse_map_kwargs(args.map_kw),
+        chunk_size=args.chunk_size,
+        rope=not args.no_rope,
+        dropout=args.dropout,
+        seed=args.seed,
+    ).validate()
+    train_config = TrainConfig(
+        steps=args.steps if args.steps is not None else TrainConfig.steps,
+        batch_size=args.batch_size,
+        block_size=block,
+        lr=args.lr,
+        min_lr=min(args.min_lr, args.lr),
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        grad_accum=args.grad_accum,
+        eval_interval=args.eval_interval,
+        eval_batches=args.eval_batches,
+        log_interval=args.log_interval,
+        amp=args.amp,
+        seed=args.seed,
+        out_dir=str(args.out),
+        checkpoint_interval=args.checkpoint_interval,
+        device=args.device,
+    ).validate()
+    return model_config, train_config, source
+
+
+def _configs_from_checkpoint(args):
+    state = load_checkpoint(Path(args.out) / CHECKPOINT_NAME, restore_rng=False)
+    model_config = TransformerConfig(**state["model_config"])
+    names = {f.name for f in fields(TrainConfig)}
+    tc = {k: v for k, v in state["train_config"].items() if k in names}
+    tc["out_dir"] = str(args.out)
+    if args.steps is not None:
+        tc["steps"] = args.steps
+    if args.device is not None:
+        tc["device"] = args.device
+    return model_config, TrainConfig(**tc).validate(), state["metadata"]["source"]
+
+
+def load_data(source: dict):
+    """The ``Corpus`` or ``MQARData`` described by a checkpoint's ``metadata["source"]``."""
+    if source["task"] == "mqar":
+        cfg = MQARConfig(
+            vocab_size=source["vocab_size"],
+            seq_len=source["seq_len"],
+            num_kv_pairs=source["num_kv_pairs"],
+        )
+        return MQARData.make(cfg, num_train=source["num_train"], num_val=source["num_val"])
+    return load_corpus(
+        source["corpus"], val_fraction=source["val_fraction"], max_bytes=source["max_bytes"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; print the final validation loss and where the checkpoint is. 2 on bad input."""
+    try:
+        if args.resume:
+            model_config, train_config, source = _configs_from_checkpoint(args)
+        else:
+            model_config, train_config, source = _configs_from_args(args)
+        # fail before loading data when the batch cannot be split over ranks
+        rank_slice(train_config.batch_size, env_world_size(), 0, train_config.grad_accum)
+        data = load_data(source)
+        history = train(
+            model_config,
+            train_config,
+            data,
+            resume=args.resume,
+            progress=not args.no_progress,
+            metadata={"source": source},
+        )
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"polysketch train: error: {err}", file=sys.stderr)
+        return ERROR_EXIT
+    if int(os.environ.get("RANK", "0")) == 0:
+        val = history["val"][-1] if history["val"] else None
+        model = history["model"]
+        summary = f"attention={model_config.attention} params={model.num_parameters():,}"
+        if val is not None:
+            summary += f" step={val['step']} val_loss={val['loss']:.4f} "
+            summary += f"val_accuracy={val['accuracy']:.4f}"
+        print(summary)
+        print(f"checkpoint: {Path(train_config.out_dir) / CHECKPOINT_NAME}")
+    return 0

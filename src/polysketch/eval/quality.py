@@ -1,0 +1,154 @@
+"""Language-model quality of attentions at equal model size, steps, data and seed.
+
+PolySketchFormer §5 compares softmax, exact polynomial (degree 4) and sketched polynomial
+attention by the perplexity of equally sized models trained identically. ``compare`` does that
+on a byte-level corpus: one ``TransformerLM`` per attention, the same ``TransformerConfig``
+except ``attention``, the same ``TrainConfig`` (so the same batches, schedule and
+initialization of the shared weights), and returns each run's history. ``quality_table``
+summarizes final / best validation loss (nats per byte; bits per byte = nats / ln 2),
+parameters and throughput; ``plot_curves`` draws the training loss (running mean) and
+validation loss against the step in one PNG. ``benchmarks/quality.py`` is the script.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from ..nn import PRESETS, TransformerConfig, valid_attentions
+from ..train import TrainConfig, train
+from .plots import save_png, subplots
+
+__all__ = ["default_attentions", "compare", "quality_table", "format_table", "plot_curves"]
+
+
+def default_attentions() -> dict[str, tuple[str, dict]]:
+    """label -> (attention, map_kwargs): softmax, exact degree-4 polynomial, PolySketchFormer
+    (``psf_random`` if that preset exists, else polysketch non-negative degree 2, r = 32) and
+    ``psf_learned`` when available."""
+    out = {"softmax": ("softmax", {}), "polynomial": ("polynomial", {})}
+    if "psf_random" in PRESETS:
+        out["psf_random"] = ("psf_random", {})
+    else:
+        out["polysketch"] = ("polysketch", {"degree": 2, "num_features": 32, "nonnegative": True})
+    if "psf_learned" in PRESETS:
+        out["psf_learned"] = ("psf_learned", {})
+    return out
+
+
+def compare(
+    attentions: dict[str, tuple[str, dict]],
+    corpus,
+    model_config: TransformerConfig,
+    train_config: TrainConfig,
+    *,
+    progress: bool = True,
+    log=print,
+) -> dict[str, dict]:
+    """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw).
+
+    Returns label -> {"history": train rows, "val": val rows, "params", "train_s",
+    "attention", "map_kwargs"}. ``train_config.out_dir`` (if set) gets one subfolder per label.
+    """
+    unknown = [a for a, _ in attentions.values() if a not in valid_attentions()]
+    if unknown:
+        raise ValueError(f"attentions: unknown {unknown}; choose from {valid_attentions()}")
+    results = {}
+    for label, (attention, map_kwargs) in attentions.items():
+        mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs))
+        tc = train_config
+        if tc.out_dir is not None:
+            tc = replace(tc, out_dir=str(Path(tc.out_dir) / label))
+        t0 = time.perf_counter()
+        history = train(mc, tc, corpus, progress=progress)
+        results[label] = {
+            "attention": attention,
+            "map_kwargs": dict(map_kwargs),
+            "history": history["train"],
+            "val": history["val"],
+            "params": history["model"].num_parameters(),
+            "train_s": time.perf_counter() - t0,
+        }
+        if log is not None:
+            v = history["val"][-1]
+            log(f"{label:>12s}: val loss {v['loss']:.4f} ({results[label]['train_s']:.0f} s)")
+    return results
+
+
+def quality_table(results: dict[str, dict]) -> list[dict]:
+    """One row per label: final and best validation loss (nats/byte), bits/byte, params,
+    mean tokens/s, wall time."""
+    rows = []
+    for label, r in results.items():
+        final = r["val"][-1]["loss"]
+        tps = [h["tokens_per_s"] for h in r["history"][1:]] or [r["history"][0]["tokens_per_s"]]
+        rows.append(
+            {
+                "attention": label,
+                "val_loss": final,
+                "best_val_loss": min(v["loss"] for v in r["val"]),
+                "bits_per_byte": final / math.log(2),
+                "val_accuracy": r["val"][-1]["accuracy"],
+                "params": r["params"],
+                "tokens_per_s": sum(tps) / len(tps),
+                "train_s": r["train_s"],
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A markdown table of ``quality_table`` rows."""
+    lines = [
+        "| attention | val loss (nats/byte) | bits/byte | best val | next-byte acc | params "
+        "| tokens/s | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['attention']} | {r['val_loss']:.4f} | {r['bits_per_byte']:.4f} "
+            f"| {r['best_val_loss']:.4f} | {r['val_accuracy']:.4f} | {r['params']:,} "
+            f"| {r['tokens_per_s']:.0f} | {r['train_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _running_mean(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(results: dict[str, dict], path, *, title: str = "", window: int = 20) -> Path:
+    """Training loss (running mean over ``window`` steps) and validation loss vs step."""
+    fig, (ax_train, ax_val) = subplots(2, panel_size=(5.5, 4.0))
+    for label, r in results.items():
+        steps = [h["step"] for h in r["history"]]
+        (line,) = ax_train.plot(
+            steps, _running_mean([h["loss"] for h in r["history"]], window), label=label
+        )
+        ax_val.plot(
+            [v["step"] for v in r["val"]],
+            [v["loss"] for v in r["val"]],
+            marker="o",
+            ms=3,
+            color=line.get_color(),
+            label=label,
+        )
+    ax_train.set_title(f"training loss (mean of {window} steps)")
+    ax_val.set_title("validation loss")
+    for ax in (ax_train, ax_val):
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/byte)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return save_png(fig, path)

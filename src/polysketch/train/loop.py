@@ -1,0 +1,474 @@
+"""The training loop: AdamW, warmup + cosine schedule, accumulation, bf16, DDP, exact resume.
+
+``train(model_config, train_config, data)`` trains a ``polysketch.nn.TransformerLM`` on
+
+* a ``Corpus`` (``polysketch.data.load_corpus``): each step samples B random contiguous blocks
+  of ``block_size + 1`` tokens from the training stream, x = block[:-1], y = block[1:], with a
+  ``torch.Generator`` whose state *is* the data position (``CorpusBatches``);
+* an ``MQARData`` set: a fixed training set visited in a seeded random order, one permutation
+  per epoch (``MQARBatches``), plus a validation set scored by loss and recall accuracy.
+
+Per optimizer step: the global batch (``batch_size`` rows) is drawn, this rank keeps its slice
+(``distributed.rank_slice``), which is split into ``grad_accum`` micro-batches; each micro
+loss is divided by ``grad_accum`` and back-propagated (DDP gradient sync on the last only);
+gradients are clipped to ``grad_clip`` in global norm; AdamW steps with decay on matrices only
+(no decay on norms, biases, embeddings, as nanoGPT); the LambdaLR schedule steps.
+
+Checkpoints (``out_dir/ckpt.pt``, atomic) hold the model (the feature maps' random buffers
+included), optimizer, scheduler, data-sampler state, Python/NumPy/torch RNG states, the step,
+both configs and the history, so ``resume=True`` continues bit-for-bit on CPU: N steps, save,
+resume, N steps gives the same losses and parameters as 2N straight steps. Metrics go to
+``out_dir/metrics.csv`` and ``out_dir/metrics.jsonl`` (rank 0 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .._checks import check_choice, check_float, check_int, check_positive_int
+from ..data.corpus import Corpus
+from ..data.mqar import IGNORE_INDEX, MQARConfig, make_mqar
+from ..nn import TransformerConfig, TransformerLM
+from . import distributed
+from .checkpoint import load_checkpoint, save_checkpoint
+from .schedule import warmup_cosine
+
+__all__ = [
+    "TrainConfig",
+    "MQARData",
+    "CorpusBatches",
+    "MQARBatches",
+    "param_groups",
+    "train",
+    "CHECKPOINT_NAME",
+    "METRIC_FIELDS",
+]
+
+CHECKPOINT_NAME = "ckpt.pt"
+METRIC_FIELDS = ("step", "split", "loss", "accuracy", "lr", "tokens", "tokens_per_s", "elapsed_s")
+
+
+@dataclass
+class TrainConfig:
+    """Optimization settings. ``batch_size`` is the global batch (sequences per step, over all
+    ranks and micro-batches); ``block_size=None`` takes the model's. ``grad_clip=0`` disables
+    clipping; ``eval_interval=None`` and ``checkpoint_interval=None`` mean only at the end;
+    ``amp="bf16"`` runs forward passes under ``torch.autocast(dtype=bfloat16)``."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    block_size: int | None = None
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    eval_interval: int | None = 250
+    eval_batches: int = 8
+    log_interval: int = 10
+    amp: str | None = None
+    seed: int = 0
+    out_dir: str | None = None
+    checkpoint_interval: int | None = None
+    device: str | None = None
+
+    def validate(self) -> TrainConfig:
+        """Raise ValueError/TypeError naming the bad field; return self."""
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
+            check_positive_int(getattr(self, name), name)
+        for name in ("block_size", "eval_interval", "checkpoint_interval"):
+            if getattr(self, name) is not None:
+                check_positive_int(getattr(self, name), name)
+        check_float(self.lr, "lr", minimum=0.0, strict_minimum=True)
+        check_float(self.min_lr, "min_lr", minimum=0.0, maximum=self.lr)
+        check_int(self.warmup_steps, "warmup_steps", minimum=0)
+        check_float(self.weight_decay, "weight_decay", minimum=0.0)
+        check_float(self.grad_clip, "grad_clip", minimum=0.0)
+        if len(tuple(self.betas)) != 2:
+            raise ValueError(f"betas must be a pair, got {self.betas!r}")
+        for b in self.betas:
+            check_float(b, "betas", minimum=0.0, maximum=1.0)
+        if self.amp is not None:
+            check_choice(self.amp, "amp", ["bf16"])
+        check_int(self.seed, "seed", minimum=0)
+        self.betas = tuple(float(b) for b in self.betas)
+        return self
+
+
+@dataclass
+class MQARData:
+    """An MQAR task: (N, T) inputs / targets (``IGNORE_INDEX`` off the recall positions)."""
+
+    train_inputs: torch.Tensor
+    train_targets: torch.Tensor
+    val_inputs: torch.Tensor
+    val_targets: torch.Tensor
+    vocab_size: int
+
+    @classmethod
+    def make(cls, config: MQARConfig, *, num_train: int, num_val: int, seed: int = 0):
+        """Draw disjointly seeded train (``seed``) and validation (``seed + 1``) sets."""
+        x, y = make_mqar(config, num_train, seed=seed)
+        vx, vy = make_mqar(config, num_val, seed=seed + 1)
+        return cls(x, y, vx, vy, config.vocab_size)
+
+
+class CorpusBatches:
+    """Random contiguous blocks of a token stream; the generator state is the data position."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int, name: str = "data"):
+        if tokens.numel() < block_size + 1:
+            raise ValueError(
+                f"{name} holds {tokens.numel()} tokens, fewer than block_size + 1 = "
+                f"{block_size + 1}: use a smaller block_size or more text"
+            )
+        self.windows = tokens.unfold(0, block_size + 1, 1)  # (N - block, block + 1), a view
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(self.windows), (batch_size,), generator=self.generator)
+        blocks = self.windows[ix]
+        return blocks[:, :-1], blocks[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+class MQARBatches:
+    """A fixed example set visited in seeded random order, a fresh permutation per epoch."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, seed: int):
+        self.inputs, self.targets = inputs, targets
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(len(inputs), generator=self.generator)
+        self.position = 0
+
+    def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        while batch_size > 0:
+            if self.position == len(self.order):
+                self.order = torch.randperm(len(self.inputs), generator=self.generator)
+                self.position = 0
+            take = self.order[self.position : self.position + batch_size]
+            self.position += len(take)
+            batch_size -= len(take)
+            rows.append(take)
+        ix = torch.cat(rows)
+        return self.inputs[ix], self.targets[ix]
+
+    def state_dict(self) -> dict:
+        return {
+            "generator": self.generator.get_state(),
+            "order": self.order.clone(),
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.order, self.position = state["order"].clone(), int(state["position"])
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on weight matrices; none on biases, norms and embeddings."""
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.replace("__", ".").split(".")
+        plain = (
+            p.dim() < 2
+            or id(p) in embedding
+            or parts[-1] == "bias"
+            or any("norm" in s or s.startswith("ln") for s in parts[:-1])
+        )
+        (no_decay if plain else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _make_batches(data, block_size: int, seed: int):
+    if isinstance(data, Corpus):
+        return CorpusBatches(data.train, block_size, seed, "the corpus' training split")
+    if isinstance(data, MQARData):
+        return MQARBatches(data.train_inputs, data.train_targets, seed)
+    raise TypeError(f"data must be a Corpus or MQARData, got {type(data).__name__}")
+
+
+def _val_batches(data, cfg: TrainConfig, block_size: int, ctx):
+    """The validation batches (this rank's rows), the same ones at every evaluation."""
+    if isinstance(data, MQARData):
+        n = len(data.val_inputs)
+        for i in range(0, n, cfg.batch_size):
+            x, y = data.val_inputs[i : i + cfg.batch_size], data.val_targets[i : i + cfg.batch_size]
+            share = math.ceil(len(x) / ctx.world_size)
+            part = slice(ctx.rank * share, (ctx.rank + 1) * share)
+            yield x[part], y[part]
+        return
+    block = min(block_size, data.val.numel() - 1)
+    if block < 1:
+        raise ValueError("the corpus' validation split needs at least 2 tokens")
+    sampler = CorpusBatches(data.val, block, cfg.seed + 7919)
+    rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank)
+    for _ in range(cfg.eval_batches):
+        x, y = sampler.next(cfg.batch_size)
+        yield x[rows], y[rows]
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    if cfg.amp == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def _evaluate(model, data, cfg, block_size, ctx) -> tuple[float, float]:
+    """Mean loss and next-token accuracy (on labelled positions) over the validation batches."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
+    for x, y in _val_batches(data, cfg, block_size, ctx):
+        if len(x) == 0:
+            continue
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        with _autocast(cfg, ctx.device):
+            logits, _ = model(x)
+        logits, y = logits.float().flatten(0, 1), y.flatten()
+        mask = y != IGNORE_INDEX
+        totals[0] += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        totals[1] += (logits.argmax(-1)[mask] == y[mask]).sum()
+        totals[2] += mask.sum()
+    model.train(was_training)
+    if ctx.distributed:
+        torch.distributed.all_reduce(totals)
+    count = max(float(totals[2]), 1.0)
+    return float(totals[0]) / count, float(totals[1]) / count
+
+
+class _MetricFiles:
+    """metrics.csv + metrics.jsonl in ``out_dir`` (rewritten from history on resume)."""
+
+    def __init__(self, out_dir: Path | None, rows: list[dict]):
+        self.paths = None
+        if out_dir is None:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = (out_dir / "metrics.csv", out_dir / "metrics.jsonl")
+        with open(self.paths[0], "w", newline="") as f:
+            csv.DictWriter(f, METRIC_FIELDS).writeheader()
+        self.paths[1].write_text("")
+        for row in rows:
+            self.write(row)
+
+    def write(self, row: dict) -> None:
+        if self.paths is None:
+            return
+        with open(self.paths[0], "a", newline="") as f:
+            csv.DictWriter(f, METRIC_FIELDS).writerow({k: row.get(k, "") for k in METRIC_FIELDS})
+        with open(self.paths[1], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def train(
+    model_config: TransformerConfig,
+    train_config: TrainConfig,
+    data: Corpus | MQARData,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    metadata: dict | None = None,
+    stop_after: int | None = None,
+) -> dict:
+    """Train a ``TransformerLM(model_config)``; see the module docstring.
+
+    Args:
+        model_config: a ``polysketch.nn.TransformerConfig`` (its ``vocab_size`` must cover
+            the data's).
+        train_config: a ``TrainConfig``; ``steps`` is the total step count (a resumed run
+            continues up to it).
+        data: a ``Corpus`` or ``MQARData``.
+        resume: continue from ``out_dir/ckpt.pt`` (same model config required).
+        progress: show a tqdm bar (rank 0 only).
+        metadata: extra picklable information stored in every checkpoint (e.g. the data source).
+        stop_after: stop (with a checkpoint) after this step, as a time-boxed job would; the
+            schedule still spans ``steps`` and ``resume=True`` continues the same run.
+
+    Returns:
+        history ``{"train": [rows per step], "val": [rows per evaluation], "model": the
+        trained (unwrapped) model}``; train rows hold ``step`` (1-based), ``loss`` (mean
+        over the global batch), ``lr``, ``tokens``, ``tokens_per_s``, ``elapsed_s``; val rows
+        ``step``, ``loss``, ``accuracy``.
+
+    The model's weights come from ``model_config.seed``; torch's global RNG (dropout) is
+    seeded with ``train_config.seed`` at the start (and restored from the checkpoint on
+    resume).
+    """
+    if not isinstance(model_config, TransformerConfig):
+        raise TypeError(f"model_config must be a TransformerConfig, got {type(model_config)}")
+    if not isinstance(train_config, TrainConfig):
+        raise TypeError(f"train_config must be a TrainConfig, got {type(train_config)}")
+    cfg = train_config.validate()
+    model_config.validate()
+    if not isinstance(data, (Corpus, MQARData)):
+        raise TypeError(f"data must be a Corpus or MQARData, got {type(data).__name__}")
+    if data.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"vocab_size of the model ({model_config.vocab_size}) is smaller than the data's "
+            f"({data.vocab_size})"
+        )
+    distributed.rank_slice(cfg.batch_size, distributed.env_world_size(), 0, cfg.grad_accum)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
+    if resume and (ckpt_path is None or not ckpt_path.is_file()):
+        raise FileNotFoundError(
+            f"resume needs a checkpoint at {ckpt_path or 'out_dir/' + CHECKPOINT_NAME}"
+        )
+    block_size = cfg.block_size or model_config.block_size
+    if stop_after is not None:
+        check_positive_int(stop_after, "stop_after")
+
+    ctx = distributed.setup(cfg.device)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = TransformerLM(model_config).to(ctx.device)
+        optimizer = torch.optim.AdamW(
+            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
+        )
+        scheduler = warmup_cosine(
+            optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
+        )
+        batches = _make_batches(data, block_size, cfg.seed)
+        history = {"train": [], "val": []}
+        step = 0
+        if resume:
+            state = load_checkpoint(ckpt_path, map_location=ctx.device)
+            if state["model_config"] != asdict(model_config):
+                raise ValueError("model_config differs from the checkpoint's model_config")
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scheduler.lr_lambdas[0].total_steps = cfg.steps  # the run may be extended
+            for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+                group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
+            batches.load_state_dict(state["data"])
+            history, step = state["history"], int(state["step"])
+        raw_model = model
+        if ctx.distributed:
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
+        micro = (rows.stop - rows.start) // cfg.grad_accum
+        main = ctx.is_main
+        logged = _logged(history, cfg.log_interval, cfg.steps)
+        files = _MetricFiles(out_dir if main else None, logged)
+
+        def save():
+            if ckpt_path is None or not main:
+                return
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": raw_model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "data": batches.state_dict(),
+                    "step": step,
+                    "model_config": asdict(model_config),
+                    "train_config": asdict(cfg),
+                    "history": history,
+                    "metadata": metadata or {},
+                },
+            )
+
+        bar = tqdm(
+            total=cfg.steps, initial=step, disable=not (progress and main), dynamic_ncols=True
+        )
+        elapsed = history["train"][-1]["elapsed_s"] if history["train"] else 0.0
+        tokens = history["train"][-1]["tokens"] if history["train"] else 0
+        model.train()
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        while step < end:
+            t0 = time.perf_counter()
+            x, y = batches.next(cfg.batch_size)
+            x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
+            lr = optimizer.param_groups[0]["lr"]
+            loss_sum = torch.zeros((), device=ctx.device)
+            for k in range(cfg.grad_accum):
+                sync = k == cfg.grad_accum - 1 or not ctx.distributed
+                part = slice(k * micro, (k + 1) * micro)
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    with _autocast(cfg, ctx.device):
+                        _, loss = model(x[part], y[part])
+                    (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().float()
+            if cfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_value = float(distributed.mean_over_ranks(loss_sum / cfg.grad_accum, ctx))
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"training loss became {loss_value} at step {step + 1}")
+            step += 1
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            tokens += x.numel() * ctx.world_size
+            row = {
+                "step": step,
+                "split": "train",
+                "loss": loss_value,
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_s": x.numel() * ctx.world_size / max(dt, 1e-9),
+                "elapsed_s": elapsed,
+            }
+            history["train"].append(row)
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                files.write(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            last = step == cfg.steps
+            if last or (cfg.eval_interval and step % cfg.eval_interval == 0):
+                val_loss, acc = _evaluate(raw_model, data, cfg, block_size, ctx)
+                vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
+                history["val"].append(vrow)
+                files.write(vrow)
+                if progress and main:
+                    bar.write(f"step {step}: val loss {val_loss:.4f}, accuracy {acc:.4f}")
+            if step == end or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                save()
+        bar.close()
+        history["model"] = raw_model
+        return history
+    finally:
+        distributed.teardown(ctx)
+
+
+def _logged(history: dict, log_interval: int, total_steps: int) -> list[dict]:
+    """The rows a run writes to the metric files, in order (to rewrite them on resume)."""
+    val = {r["step"]: r for r in history["val"]}
+    rows = []
+    for r in history["train"]:
+        if r["step"] % log_interval == 0 or r["step"] == total_steps:
+            rows.append(r)
+        if r["step"] in val:
+            rows.append(val[r["step"]])
+    return rows

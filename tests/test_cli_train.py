@@ -1,0 +1,142 @@
+"""``polysketch train``, ``polysketch generate`` and ``polysketch mqar`` end to end."""
+
+import csv
+import json
+
+import pytest
+
+from polysketch.cli import main
+from polysketch.commands.generate import load_model
+from polysketch.commands.train import parse_map_kwargs
+from polysketch.data.tokenizer import ByteTokenizer
+from polysketch.train import load_checkpoint
+
+TEXT = "".join(f"To be, or not to be: that is question {i}.\n" for i in range(60))
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--chunk-size", "8", "--batch-size", "4", "--eval-batches", "2",
+        "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def test_train_then_resume_then_generate(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "4",
+            "--log-interval", "2", "--eval-interval", "2", "--attention", "polysketch",
+            "--map-kw", "num_features=8", "--map-kw", "projection=gaussian", *TINY]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "val_loss=" in printed and str(out / "ckpt.pt") in printed
+    assert (out / "ckpt.pt").is_file()
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["split"]) for r in rows] == [
+        ("2", "train"), ("2", "val"), ("4", "train"), ("4", "val")
+    ]  # fmt: skip
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [float(r["loss"]) for r in rows] == [r["loss"] for r in jsonl]
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["model_config"]["map_kwargs"] == {"num_features": 8, "projection": "gaussian"}
+    assert state["metadata"]["source"]["corpus"] == str(text_file)
+
+    # --resume takes configs and data from the checkpoint; --steps extends the run
+    assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 0
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["step"] == 6 and len(state["history"]["train"]) == 6
+    capsys.readouterr()
+
+    # greedy generation from the checkpoint equals the model's own generate
+    prompt = "To be"
+    assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", prompt,
+                 "--max-new-tokens", "12", "--temperature", "0"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    model, _ = load_model(out / "ckpt.pt", "cpu")
+    idx = ByteTokenizer().encode(prompt)[None]
+    want = ByteTokenizer().decode(model.generate(idx, 12, temperature=0.0)[0])
+    assert text == want + "\n"
+    assert text.startswith(prompt)
+
+    # sampling is reproducible by --seed
+    sample = ["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", prompt,
+              "--max-new-tokens", "12", "--seed", "3", "--top-k", "5"]  # fmt: skip
+    assert main(sample) == 0
+    first = capsys.readouterr().out
+    assert main(sample) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_train_mqar_task_and_generate_refuses_it(tmp_path, capsys):
+    out = tmp_path / "mqar"
+    args = ["train", "--task", "mqar", "--mqar-vocab", "32", "--mqar-seq-len", "16",
+            "--mqar-kv-pairs", "2", "--mqar-train", "16", "--mqar-val", "8", "--steps", "2",
+            "--attention", "elu", "--out", str(out), *TINY]  # fmt: skip
+    assert main(args) == 0
+    assert "val_accuracy=" in capsys.readouterr().out
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["model_config"]["vocab_size"] == 32
+    assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "x"]) == 2
+    assert "MQAR" in capsys.readouterr().err
+
+
+def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["mqar", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    with open(out / "mqar.csv") as f:
+        rows = {r["attention"]: r for r in csv.DictReader(f)}
+    expected = ["softmax", "polysketch", "llops", "tensorsketch", "hybrid_angular", "taylor", "elu"]
+    assert sorted(rows) == sorted(expected)
+    assert all(name in printed for name in expected)
+    assert (out / "mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # softmax keeps a KV cache: 2 (k, v) · layers · heads · head dim · T floats (quick sizes)
+    assert int(rows["softmax"]["state_size"]) == 2 * 2 * 2 * 8 * 16
+    for r in rows.values():
+        assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["val_loss"]) > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--corpus", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+        (["train", "--attention", "no_such_attention"], "--attention"),
+        (["train", "--map-kw", "oops"], "--map-kw"),
+        (["train", "--lr", "-1"], "lr"),
+        (["train", "--resume"], "ckpt.pt"),
+        (["mqar", "--quick", "--attentions", "softmax", "bogus"], "attentions"),
+        (["generate", "--checkpoint", "/no/such/ckpt.pt"], "ckpt.pt"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, message):
+    if argv[0] == "train":
+        argv = [*argv, "--out", str(tmp_path / "o"), *TINY]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+
+
+def test_batch_not_divisible_by_world_size(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["train", "--corpus", str(text_file), "--out", str(tmp_path / "o"), *TINY]
+    argv[argv.index("--batch-size") + 1] = "3"
+    assert main(argv) == 2
+    assert "batch_size" in capsys.readouterr().err
+
+
+def test_parse_map_kwargs_literals_and_strings():
+    got = parse_map_kwargs(["num_features=32", "nonnegative=True", "projection=srht", "s=1e-3"])
+    assert got == {"num_features": 32, "nonnegative": True, "projection": "srht", "s": 1e-3}
+    with pytest.raises(ValueError, match="--map-kw"):
+        parse_map_kwargs(["=3"])
+
+
+def test_train_help_lists_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--corpus", "--task", "--attention", "--amp", "--resume", "--map-kw", "--device"):
+        assert flag in out
