@@ -176,3 +176,100 @@ def test_fp64_stays_fp64_and_fp32_stays_fp32():
         q, k, v = make((1,), 10, 10, 3, 2, positive=True, dtype=dtype)
         out, state = linear_attention(q, k, v, causal=True, return_state=True)
         assert out.dtype == dtype and state.numerator.dtype == dtype
+
+
+# ---- group scan of chunked_lt_multiply (bounded temporaries) and the decode fast path ----
+
+
+def lt_reference(q, k, v, initial, square):
+    """lt((A Bᵀ)^{∘q}) C + Φ(A)·initial and initial + Σ_j Φ(B_j)⊗C_j, explicitly (fp64)."""
+    s = torch.tril(q @ k.transpose(-1, -2))
+    if square:
+        out = (s * s) @ v + torch.einsum("...tf,...tg,...fge->...te", q, q, initial)
+        return out, initial + torch.einsum("...tf,...tg,...te->...fge", k, k, v)
+    return s @ v + q @ initial, initial + k.transpose(-1, -2) @ v
+
+
+# F = 3 <= E = 5 builds the pair features ψ (T = 70 >= SYMMETRIC_MIN_LENGTH, with a
+# non-symmetric initial state); F = 7 > E contracts one factor at a time. 10 blocks of 7 rows;
+# group_bytes 1 -> one block per group; 8000 -> 2+2+2+2+2 blocks (plain), 1 per group (square);
+# 60000 -> 2+2+2+2+2 (plain), 9+1 (F = 3), 2+2+2+2+2 (F = 7); None -> all 10 at once
+@pytest.mark.parametrize("group_bytes", [1, 8000, 60000, None])
+@pytest.mark.parametrize("square,f", [(False, 3), (True, 3), (True, 7)])
+def test_group_scan_matches_explicit_product(square, f, group_bytes):
+    q, k, v = make((2,), 70, 70, f, 5, positive=False, seed=f)
+    g = torch.Generator().manual_seed(11)
+    init = torch.randn(2, *((f, f) if square else (f,)), 5, generator=g, dtype=F64)
+    inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v, init))
+
+    def grads(fn):
+        out, state = fn(*inputs)
+        w = torch.linspace(-1, 1, out.numel(), dtype=F64).reshape(out.shape)
+        ws = torch.linspace(1, 2, state.numel(), dtype=F64).reshape(state.shape)
+        loss = (out * w).sum() + (state * ws).sum()
+        return (out.detach(), state.detach(), *torch.autograd.grad(loss, inputs))
+
+    def fast(q, k, v, init):
+        return chunked_lt_multiply(
+            q, k, v, chunk_size=7, square=square, initial=init, group_bytes=group_bytes
+        )
+
+    got = grads(fast)
+    want = grads(lambda q, k, v, init: lt_reference(q, k, v, init, square))
+    for x, y in zip(got, want, strict=True):
+        assert close(x, y, 1e-12)
+
+
+@pytest.mark.parametrize("group_bytes", [1, 8000, 60000, None])
+@pytest.mark.parametrize("square,f", [(False, 3), (True, 3), (True, 7)])
+def test_group_scan_is_bitwise_causal(square, f, group_bytes):
+    q, k, v = make((2,), 70, 70, f, 5, positive=False, seed=5, dtype=torch.float32)
+    kw = {"chunk_size": 7, "square": square, "group_bytes": group_bytes}
+    base, _ = chunked_lt_multiply(q, k, v, **kw)
+    g = torch.Generator().manual_seed(1)
+    for t in (0, 3, 6, 7, 20, 41, 68):  # inside, at the end of, and across blocks and groups
+        q2, k2, v2 = (x.clone() for x in (q, k, v))
+        for x in (q2, k2, v2):
+            x[..., t + 1 :, :] = 1e3 * torch.randn(x[..., t + 1 :, :].shape, generator=g)
+        out, _ = chunked_lt_multiply(q2, k2, v2, **kw)
+        assert torch.equal(out[..., : t + 1, :], base[..., : t + 1, :])
+        assert not torch.equal(out, base)
+
+
+def test_group_bytes_is_validated():
+    q, k, v = make((), 5, 5, 2, 3, positive=True)
+    with pytest.raises(ValueError, match="group_bytes"):
+        chunked_lt_multiply(q, k, v, group_bytes=0)
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_decode_state_is_reused_without_copy_and_steps_match_forward(square):
+    from polysketch.ops import LinearAttentionState, linear_attention_step
+    from polysketch.ops.recurrent import pack_state
+
+    q, k, v = make((2,), 9, 9, 3, 4, positive=True, seed=4)
+    full = linear_attention(q, k, v, causal=True, square=square)
+    with torch.no_grad():
+        _, state = linear_attention(
+            q[..., :6, :], k[..., :6, :], v[..., :6, :], causal=True, square=square,
+            return_state=True,
+        )  # fmt: skip
+        kw = dict(leading=(2,), feature_dim=3, value_dim=4, square=square, dtype=F64)
+        kw.update(device=q.device, with_denominator=True)
+        packed = pack_state(state, **kw)
+        assert packed.data_ptr() == state.numerator.data_ptr()  # the [N Z] buffer itself
+        assert torch.equal(packed[..., :4], state.numerator)
+        assert torch.equal(packed[..., 4], state.denominator)
+        # separate tensors (not views of one buffer) are concatenated
+        copy = LinearAttentionState(state.numerator.clone(), state.denominator.clone(), 6)
+        assert torch.equal(pack_state(copy, **kw), packed)
+        assert pack_state(copy, **kw).data_ptr() != copy.numerator.data_ptr()
+        outs = []
+        for i in range(6, 9):
+            sl = slice(i, i + 1)
+            o, state = linear_attention_step(
+                q[..., sl, :], k[..., sl, :], v[..., sl, :], state, square=square
+            )
+            outs.append(o)
+    assert rel_err(torch.cat(outs, dim=-2), full[..., 6:, :]) <= 1e-12
+    assert state.length == 9

@@ -103,7 +103,27 @@ def pack_state(
     num = state.numerator.to(dtype)
     if not with_denominator:
         return num
+    packed = _packed_base(state.numerator, state.denominator, dtype)
+    if packed is not None:  # a state returned by the ops: reuse its [N Z] buffer, no copy
+        return packed
     return torch.cat([num, state.denominator.to(dtype).unsqueeze(-1)], dim=-1)
+
+
+def _packed_base(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype):
+    """A view P with P[..., :E] = N and P[..., E] = Z in the same memory, else ``None``.
+
+    ``linear_attention(..., return_state=True)`` returns N and Z as such views of one
+    (..., F[, F], E+1) tensor, so decoding steps can hand it back without a concatenation.
+    Only without autograd (a view rebuilt from storage would not carry N's and Z's graphs).
+    """
+    if num.requires_grad or den.requires_grad or num.dtype != dtype or den.dtype != dtype:
+        return None
+    if num.untyped_storage().data_ptr() != den.untyped_storage().data_ptr():
+        return None
+    e, st = num.shape[-1], num.stride()
+    if den.stride() != st[:-1] or den.storage_offset() != num.storage_offset() + e * st[-1]:
+        return None
+    return num.as_strided((*num.shape[:-1], e + 1), st, num.storage_offset())
 
 
 def linear_attention_step(
