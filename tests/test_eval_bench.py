@@ -70,6 +70,16 @@ def test_chunked_flops_formula():
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=True) == square
+    # F <= E and T >= 64: explicit symmetric pair features, F(F//2 + 1) = 12 per token
+    t, f, e = 128, 4, 8
+    e1, fp = e + 1, 12
+    pairs = (
+        2 * t * t * f + 2 * t * t * e1 + t * t  # local blocks, squared scores
+        + 2 * t * fp  # pair features of q and k
+        + 2 * t * fp * e1 + fp * e1 + 2 * t * fp * e1  # state, prefix, apply
+        + t * e
+    )  # fmt: skip
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=True) == pairs
     kw = dict(feature_dim=32, value_dim=64, chunk_size=256, square=True)
     assert chunked_flops(2 * 4096, **kw) == 2 * chunked_flops(4096, **kw)
     assert sdpa_flops(2048, head_dim=64, value_dim=64) == 4 * sdpa_flops(

@@ -20,12 +20,15 @@ matmul, n = 4096 (2048 with ``quick``), timed in the same run.
 
 FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is a lower
 bound), for ``chunked_lt_multiply`` with N = ⌈T/b⌉ blocks of b rows, F features, value width
-E' = E + 1 (values [V 1]) and F' = F² if ``square`` else F::
+E' = E + 1 (values [V 1]) and F' the state features per token: F plain; with ``square``
+F(⌊F/2⌋+1) symmetric pair products when F <= E and T >= 64 (F² below 64 tokens), which the
+code builds explicitly (2 N b F' multiplies), else F² contracted one factor at a time::
 
     2 N b² F  +  2 N b² E'  [+ N b² square]                      local lt blocks
-    + 2 N b F' E'  [+ N b F E' outer products]                   block states
+    [+ 2 N b F' explicit square features of q and k]
+    + 2 N b F' E'  [+ N b F E' one-factor-at-a-time outer products]   block states
     + N F' E'                                                    prefix sums over blocks
-    + 2 N b F' E'  [+ 2 N b F E' second contraction]             queries read the prefix
+    + 2 N b F' E'  [+ 2 N b F E' one-factor-at-a-time contraction]    queries read the prefix
     + T E                                                        normalisation
 
 and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
@@ -58,6 +61,7 @@ import torch.nn.functional as nnf
 from .._checks import check_float, check_positive_int
 from ..features import create
 from ..ops import linear_attention, linear_attention_step
+from ..ops.chunked import SYMMETRIC_MIN_LENGTH
 
 __all__ = [
     "BenchConfig",
@@ -130,15 +134,27 @@ def parse_lengths(text: str | Sequence) -> tuple[int, ...]:
 
 
 def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, square: bool):
-    """FLOPs of causal ``chunked_lt_multiply`` + normalisation per (batch, head) slice."""
+    """FLOPs executed by causal ``chunked_lt_multiply`` + normalisation per (batch, head) slice.
+
+    Counts the work the implementation does (module docstring): with ``square`` and
+    F <= E' the per-token features are built explicitly, as the F(⌊F/2⌋+1) symmetric pair
+    products from ``SYMMETRIC_MIN_LENGTH`` tokens on (else F²); otherwise one factor at a time.
+    """
     b = min(chunk_size, t)
     n = -(-t // b)
     f, e1 = feature_dim, value_dim + 1
-    fe = f * f if square else f
     local = 2 * n * b * b * f + 2 * n * b * b * e1 + (n * b * b if square else 0)
-    states = 2 * n * b * fe * e1 + (n * b * f * e1 if square else 0)
-    apply = 2 * n * b * fe * e1 + (2 * n * b * f * e1 if square else 0)
-    return local + states + n * fe * e1 + apply + t * value_dim
+    if not square:
+        fe, build, extra_states, extra_apply = f, 0, 0, 0
+    elif f <= value_dim:  # explicit (pair) features of q and k
+        fe = f * (f // 2 + 1) if t >= SYMMETRIC_MIN_LENGTH and f > 2 else f * f
+        build, extra_states, extra_apply = 2 * n * b * fe, 0, 0
+    else:  # one factor at a time
+        fe, build = f * f, 0
+        extra_states, extra_apply = n * b * f * e1, 2 * n * b * f * e1
+    states = 2 * n * b * fe * e1 + extra_states
+    apply = 2 * n * b * fe * e1 + extra_apply
+    return local + build + states + n * fe * e1 + apply + t * value_dim
 
 
 def sdpa_flops(t: int, *, head_dim: int, value_dim: int) -> int:
