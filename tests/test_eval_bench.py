@@ -58,7 +58,7 @@ def test_parse_lengths():
 
 def test_chunked_flops_formula():
     """One block of b = T rows equals the hand count; full blocks scale linearly in T."""
-    t, f, e = 8, 3, 2
+    t, f, e = 8, 4, 2  # F > E + 1: the one-factor-at-a-time square path
     e1 = e + 1
     plain = 2 * t * t * f + 2 * t * t * e1 + 2 * t * f * e1 + f * e1 + 2 * t * f * e1 + t * e
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=False) == plain

@@ -21,7 +21,7 @@ matmul, n = 4096 (2048 with ``quick``), timed in the same run.
 FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is a lower
 bound), for ``chunked_lt_multiply`` with N = ⌈T/b⌉ blocks of b rows, F features, value width
 E' = E + 1 (values [V 1]) and F' the state features per token: F plain; with ``square``
-F(⌊F/2⌋+1) symmetric pair products when F <= E and T >= 64 (F² below 64 tokens), which the
+F(⌊F/2⌋+1) symmetric pair products when F <= E' and T >= 64 (F² below 64 tokens), which the
 code builds explicitly (2 N b F' multiplies), else F² contracted one factor at a time::
 
     2 N b² F  +  2 N b² E'  [+ N b² square]                      local lt blocks
@@ -35,9 +35,10 @@ and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
 
 Peak memory: with CUDA the measured ``torch.cuda.max_memory_allocated`` delta of the call;
 on CPU an ANALYTIC estimate (in MiB) of the tensors alive at the peak of the call: for ours
-inputs 3TD, features 2TF, [V 1] TE', block scores 2Nb², states and prefix 2NF'E', square
-temporaries 2TFE', output TE'; for SDPA inputs and output 4TD plus, when its math backend is
-chosen, the 2T² score/probability matrices (the fused CPU flash kernel stores no T×T matrix).
+inputs 3TD, features 2TF, [V 1] TE', output TE', carried and final state 2F'E', plus one group
+of blocks of the scan (its temporaries are bounded by ``ops.chunked.GROUP_BYTES``); for
+SDPA inputs and output 4TD plus, when its math backend is chosen, the 2T² score/probability
+matrices (the fused CPU flash kernel stores no T×T matrix).
 The ``max_memory_gb`` budget skips SDPA sizes whose T×T fp32 score matrix B·H·T²·4 bytes
 would exceed it (reported ``skipped (memory)``), whatever backend would have run.
 """
@@ -61,7 +62,7 @@ import torch.nn.functional as nnf
 from .._checks import check_float, check_positive_int
 from ..features import create
 from ..ops import linear_attention, linear_attention_step
-from ..ops.chunked import SYMMETRIC_MIN_LENGTH
+from ..ops.chunked import GROUP_BYTES, SYMMETRIC_MIN_LENGTH, _block_elements
 
 __all__ = [
     "BenchConfig",
@@ -146,7 +147,7 @@ def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, 
     local = 2 * n * b * b * f + 2 * n * b * b * e1 + (n * b * b if square else 0)
     if not square:
         fe, build, extra_states, extra_apply = f, 0, 0, 0
-    elif f <= value_dim:  # explicit (pair) features of q and k
+    elif f <= e1:  # explicit (pair) features of q and k
         fe = f * (f // 2 + 1) if t >= SYMMETRIC_MIN_LENGTH and f > 2 else f * f
         build, extra_states, extra_apply = 2 * n * b * fe, 0, 0
     else:  # one factor at a time
@@ -162,12 +163,23 @@ def sdpa_flops(t: int, *, head_dim: int, value_dim: int) -> int:
     return t * t * (head_dim + value_dim)
 
 
-def _chunked_memory(t, *, d, f, e, chunk, square) -> int:
+def _chunked_memory(t, *, d, f, e, chunk, square, slices: int = 1) -> int:
+    """Bytes alive at the peak of the group scan over ``slices`` (batch·head) slices (fp32)."""
     b = min(chunk, t)
     n = -(-t // b)
-    fe = f * f if square else f
-    floats = 3 * t * d + 2 * t * f + 2 * t * (e + 1) + 2 * n * b * b + 2 * n * fe * (e + 1)
-    return 4 * (floats + (2 * t * f * (e + 1) if square else 0))
+    e1 = e + 1
+    expand = square and f <= e1  # ops.chunked builds the square features explicitly
+    if not square:
+        fs = f
+    elif expand and t >= SYMMETRIC_MIN_LENGTH and f > 2:
+        fs = f * (f // 2 + 1)
+    else:
+        fs = f * f
+    # inputs, features, [V 1], output; carried state and final state
+    resident = 4 * slices * (3 * t * d + 2 * t * f + 2 * t * e1 + 2 * fs * e1)
+    per_block = 4 * slices * _block_elements(b, f, e1, square=square, expand=expand)
+    group = max(1, min(n, GROUP_BYTES // max(1, per_block)))  # blocks per group (ops.chunked)
+    return resident + group * per_block
 
 
 def _sdpa_memory(t, *, d, math_backend: bool) -> int:
@@ -341,7 +353,7 @@ def _run(config: BenchConfig) -> dict:
             fn = partial(_ours_forward, fmap, q, k, v, chunk)
             f, sq = fmap.feature_dim, fmap.square
             measured = _peak_memory(fn, device)
-            est = bsz * h * _chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq)
+            est = _chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
             mem = (measured, "cuda") if measured is not None else (est, "analytic")
             flop = chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
             rows.add("forward", name, t, "ok", time_call(fn, **timer), bsz * h * flop, mem, fmap)
