@@ -7,17 +7,10 @@
 - ``save_checkpoint`` / ``load_checkpoint``: atomic checkpoints with RNG states.
 """
 
+from .batches import CorpusBatches, MQARBatches, MQARData
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .distributed import DistContext, rank_slice
-from .loop import (
-    CHECKPOINT_NAME,
-    CorpusBatches,
-    MQARBatches,
-    MQARData,
-    TrainConfig,
-    param_groups,
-    train,
-)
+from .loop import CHECKPOINT_NAME, TrainConfig, param_groups, train
 from .schedule import WarmupCosine, learning_rate, warmup_cosine
 
 __all__ = [

@@ -8,6 +8,8 @@
 * an ``MQARData`` set: a fixed training set visited in a seeded random order, one permutation
   per epoch (``MQARBatches``), plus a validation set scored by loss and recall accuracy.
 
+The samplers live in ``batches``; they are re-exported here.
+
 Per optimizer step: the global batch (``batch_size`` rows) is drawn, this rank keeps its slice
 (``distributed.rank_slice``), which is split into ``grad_accum`` micro-batches; each micro
 loss is divided by ``grad_accum`` and back-propagated (DDP gradient sync on the last only);
@@ -38,9 +40,10 @@ from tqdm.auto import tqdm
 
 from .._checks import check_choice, check_float, check_int, check_positive_int
 from ..data.corpus import Corpus
-from ..data.mqar import IGNORE_INDEX, MQARConfig, make_mqar
+from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
 from . import distributed
+from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .schedule import warmup_cosine
 
@@ -108,82 +111,6 @@ class TrainConfig:
         return self
 
 
-@dataclass
-class MQARData:
-    """An MQAR task: (N, T) inputs / targets (``IGNORE_INDEX`` off the recall positions)."""
-
-    train_inputs: torch.Tensor
-    train_targets: torch.Tensor
-    val_inputs: torch.Tensor
-    val_targets: torch.Tensor
-    vocab_size: int
-
-    @classmethod
-    def make(cls, config: MQARConfig, *, num_train: int, num_val: int, seed: int = 0):
-        """Draw disjointly seeded train (``seed``) and validation (``seed + 1``) sets."""
-        x, y = make_mqar(config, num_train, seed=seed)
-        vx, vy = make_mqar(config, num_val, seed=seed + 1)
-        return cls(x, y, vx, vy, config.vocab_size)
-
-
-class CorpusBatches:
-    """Random contiguous blocks of a token stream; the generator state is the data position."""
-
-    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int, name: str = "data"):
-        if tokens.numel() < block_size + 1:
-            raise ValueError(
-                f"{name} holds {tokens.numel()} tokens, fewer than block_size + 1 = "
-                f"{block_size + 1}: use a smaller block_size or more text"
-            )
-        self.windows = tokens.unfold(0, block_size + 1, 1)  # (N - block, block + 1), a view
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(self.windows), (batch_size,), generator=self.generator)
-        blocks = self.windows[ix]
-        return blocks[:, :-1], blocks[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-
-
-class MQARBatches:
-    """A fixed example set visited in seeded random order, a fresh permutation per epoch."""
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, seed: int):
-        self.inputs, self.targets = inputs, targets
-        self.generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(len(inputs), generator=self.generator)
-        self.position = 0
-
-    def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        while batch_size > 0:
-            if self.position == len(self.order):
-                self.order = torch.randperm(len(self.inputs), generator=self.generator)
-                self.position = 0
-            take = self.order[self.position : self.position + batch_size]
-            self.position += len(take)
-            batch_size -= len(take)
-            rows.append(take)
-        ix = torch.cat(rows)
-        return self.inputs[ix], self.targets[ix]
-
-    def state_dict(self) -> dict:
-        return {
-            "generator": self.generator.get_state(),
-            "order": self.order.clone(),
-            "position": self.position,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.order, self.position = state["order"].clone(), int(state["position"])
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on weight matrices; none on biases, norms and embeddings."""
     embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -205,34 +132,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _make_batches(data, block_size: int, seed: int):
-    if isinstance(data, Corpus):
-        return CorpusBatches(data.train, block_size, seed, "the corpus' training split")
-    if isinstance(data, MQARData):
-        return MQARBatches(data.train_inputs, data.train_targets, seed)
-    raise TypeError(f"data must be a Corpus or MQARData, got {type(data).__name__}")
-
-
-def _val_batches(data, cfg: TrainConfig, block_size: int, ctx):
-    """The validation batches (this rank's rows), the same ones at every evaluation."""
-    if isinstance(data, MQARData):
-        n = len(data.val_inputs)
-        for i in range(0, n, cfg.batch_size):
-            x, y = data.val_inputs[i : i + cfg.batch_size], data.val_targets[i : i + cfg.batch_size]
-            share = math.ceil(len(x) / ctx.world_size)
-            part = slice(ctx.rank * share, (ctx.rank + 1) * share)
-            yield x[part], y[part]
-        return
-    block = min(block_size, data.val.numel() - 1)
-    if block < 1:
-        raise ValueError("the corpus' validation split needs at least 2 tokens")
-    sampler = CorpusBatches(data.val, block, cfg.seed + 7919)
-    rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank)
-    for _ in range(cfg.eval_batches):
-        x, y = sampler.next(cfg.batch_size)
-        yield x[rows], y[rows]
-
-
 def _autocast(cfg: TrainConfig, device: torch.device):
     if cfg.amp == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -245,7 +144,7 @@ def _evaluate(model, data, cfg, block_size, ctx) -> tuple[float, float]:
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    for x, y in _val_batches(data, cfg, block_size, ctx):
+    for x, y in val_batches(data, cfg, block_size, ctx):
         if len(x) == 0:
             continue
         x, y = x.to(ctx.device), y.to(ctx.device)
@@ -355,7 +254,7 @@ def train(
         scheduler = warmup_cosine(
             optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
         )
-        batches = _make_batches(data, block_size, cfg.seed)
+        batches = make_batches(data, block_size, cfg.seed)
         history = {"train": [], "val": []}
         step = 0
         if resume:
