@@ -143,3 +143,59 @@ def test_bad_input_names_argument():
         fmap.query(torch.randn(2, 5))
     with pytest.raises(ValueError, match="q"):
         fmap.fit(torch.full((4, 4), float("nan")), torch.randn(4, 4), steps=1)
+
+
+def _gaussian_qk(n, dim, seed):
+    """q, k rows i.i.d. N(0, I/√D) (q·k has variance 1), as ``polysketch approx`` draws them."""
+    g = torch.Generator().manual_seed(seed)
+    scale = dim**-0.25
+    return (
+        torch.randn(n, dim, generator=g, dtype=torch.float64) * scale,
+        torch.randn(n, dim, generator=g, dtype=torch.float64) * scale,
+    )
+
+
+def _frobenius(fmap, q, k):
+    with torch.no_grad():
+        return rel_err(fmap.approx_kernel(q, k), fmap.target_kernel(q, k))
+
+
+def test_fit_lowers_frobenius_error_on_gaussian_qk():
+    q, k = _gaussian_qk(128, 8, seed=0)
+    fmap = LearnedPolySketch(8, num_features=16, seed=0).double()
+    assert fmap.fit_lr == pytest.approx(0.25 / (8 * 16))
+    start = _frobenius(fmap, q, k)
+    history = fmap.fit(q, k, steps=50, seed=0, progress=False)
+    end = _frobenius(fmap, q, k)
+    assert start > 0.99  # the untrained map's scores are ~0
+    assert end < 0.9 * start, (start, end)
+    # the loss is the squared relative error, and the default lr never overshoots here
+    assert history[0] == pytest.approx(start**2, rel=1e-9)
+    assert max(history) <= history[0] * (1 + 1e-6)
+
+
+def test_fit_too_large_lr_diverges_and_is_rolled_back():
+    # The cause of the old blow-up (r = 128, e = 8): the old fixed lr = 1e-2 with fan-in
+    # n = e·r = 1024 moves the last layer's output by ~lr·n·√3 ≈ 18x per step, the
+    # degree-8 (in those weights) scores by ~1e10.
+    q, k = _gaussian_qk(64, 8, seed=1)
+    fmap = LearnedPolySketch(8, num_features=128, seed=0).double()
+    start_state = {n: t.clone() for n, t in fmap.state_dict().items()}
+    start = _frobenius(fmap, q, k)
+    with pytest.warns(UserWarning, match="restored"):
+        history = fmap.fit(q, k, steps=5, lr=1e-2, seed=0, progress=False)
+    assert max(history) > 1e6 * history[0]
+    for name, t in fmap.state_dict().items():
+        assert torch.equal(t, start_state[name]), name
+    assert _frobenius(fmap, q, k) == start
+
+
+def test_fit_checks_arguments():
+    fmap = LearnedPolySketch(4, num_features=3, seed=0)
+    q = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="check_rows"):
+        fmap.fit(q, q, steps=1, check_rows=0)
+    with pytest.raises(ValueError, match="degree"):
+        fmap.fit(q, q, steps=1, degree=0)
+    with pytest.raises(ValueError, match="k"):
+        fmap.fit(q, torch.randn(8, 5), steps=1)
