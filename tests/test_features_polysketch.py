@@ -17,32 +17,10 @@ from polysketch.features._hadamard import (
 )
 from polysketch.features.polysketch import PolySketch
 from polysketch.random import make_generator
+from sketch_stats import correlated_pairs as _pairs
+from sketch_stats import seeded_estimates as _estimates
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids thread-pool contention on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _pairs(dim, n=3, seed=0, mix=0.8):
-    """Unit rows x and correlated unit rows y (diagonal dots ≈ mix): (n, dim) each."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g, dtype=F64)
-    x = x / x.norm(dim=-1, keepdim=True)
-    noise = torch.randn(n, dim, generator=g, dtype=F64) / math.sqrt(dim)
-    y = mix * x + math.sqrt(1 - mix**2) * noise
-    return x, y / y.norm(dim=-1, keepdim=True)
-
-
-def _estimates(make, x, y, draws):
-    """approx_kernel over independent seeded draws: (draws, Tx, Ty)."""
-    return torch.stack([make(seed).approx_kernel(x, y) for seed in range(draws)])
 
 
 def _naive_polysketch(m: PolySketch, x):

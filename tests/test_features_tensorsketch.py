@@ -11,31 +11,10 @@ from conftest import rel_err
 from polysketch.features import create
 from polysketch.features.tensorsketch import CountSketch, TensorSketch, count_sketch
 from polysketch.random import make_generator
+from sketch_stats import correlated_pairs as _pairs
+from sketch_stats import seeded_estimates as _estimates
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids thread-pool contention on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _pairs(dim, n=3, seed=0):
-    """Unit rows x and correlated unit rows y (diagonal dots ≈ 0.8): (n, dim) each."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g, dtype=F64)
-    x = x / x.norm(dim=-1, keepdim=True)
-    y = 0.8 * x + 0.6 * torch.randn(n, dim, generator=g, dtype=F64) / math.sqrt(dim)
-    return x, y / y.norm(dim=-1, keepdim=True)
-
-
-def _estimates(make, x, y, draws):
-    """approx_kernel over independent seeded draws: (draws, Tx, Ty)."""
-    return torch.stack([make(seed).approx_kernel(x, y) for seed in range(draws)])
 
 
 def _dense_count_sketch(hashes, signs, num_features):
