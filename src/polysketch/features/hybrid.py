@@ -137,8 +137,21 @@ def gaussian_hybrid_features(
     return torch.cat([*head, bases[p], *tail], dim=-1)
 
 
+class _HybridFeatureMap(SoftmaxRandomFeatureMap):
+    """Hybrid maps are asymmetric: ``_features_for(x, role)`` computes both sides."""
+
+    def _features_for(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must define _features_for")
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        return self._features_for(x, "query")
+
+    def _key(self, x: torch.Tensor) -> torch.Tensor:
+        return self._features_for(x, "key")
+
+
 @register("hybrid_angular")
-class AngularHybrid(SoftmaxRandomFeatureMap):
+class AngularHybrid(_HybridFeatureMap):
     """Angular hybrid random features for exp(scale · x·y) (HRF Eq. 12, 19; Lemma 2.3).
 
     SM̂(x, y) = λ̂ SM̂_++ + (1 − λ̂) SM̂_trig with λ̂ = 1/2 − (2n)^{-1} Σ_j sgn(τ_j·x) sgn(τ_j·y),
@@ -186,12 +199,6 @@ class AngularHybrid(SoftmaxRandomFeatureMap):
         u = self._scaled(x)
         return angular_hybrid_features(u, omega_pos, omega_trig, self.tau.to(x.dtype), role)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._features_for(x, "query")
-
-    def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._features_for(x, "key")
-
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, lambda_features={self.lambda_features}, "
@@ -200,7 +207,7 @@ class AngularHybrid(SoftmaxRandomFeatureMap):
 
 
 @register("hybrid_gaussian")
-class GaussianHybrid(SoftmaxRandomFeatureMap):
+class GaussianHybrid(_HybridFeatureMap):
     """Gaussian-λ hybrid random features for exp(scale · x·y) (HRF Eq. 8, 20; Lemma 2.3).
 
     SM̂ = Σ_{k≤p} λ̂_k SM̂_k + (1 − Σ_k λ̂_k) SM̂_{p+1}, λ̂_k an unbiased estimate (n random
@@ -286,12 +293,6 @@ class GaussianHybrid(SoftmaxRandomFeatureMap):
             estimators=self.estimators,
             lambda_estimator=self.lambda_estimator,
         )
-
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._features_for(x, "query")
-
-    def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._features_for(x, "key")
 
     def extra_repr(self) -> str:
         return (
