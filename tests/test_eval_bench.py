@@ -57,31 +57,40 @@ def test_parse_lengths():
 
 
 def test_chunked_flops_formula():
-    """One block of b = T rows equals the hand count; full blocks scale linearly in T."""
-    t, f, e = 8, 4, 2  # F > E + 1: the one-factor-at-a-time square path
+    """Two blocks of b = T/2 rows equal the hand count; each further block adds the same work."""
+    t, b, n, m = 8, 4, 2, 1  # n blocks; m = n - 1 write (no final state) and read a state
+    f, e = 4, 2  # F > E: the one-factor-at-a-time square path, values [V 1]
+    plain = (
+        2 * n * b * b * f + 2 * n * b * b * e + n * b * b  # local blocks, row sums
+        + 2 * m * b * f * e + m * b * f  # states, key sums
+        + m * f * e  # running state
+        + 2 * m * b * f * e + 2 * m * b * f  # reads: values, normalizer
+        + t * e
+    )  # fmt: skip
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=False) == plain
     e1 = e + 1
-    plain = 2 * t * t * f + 2 * t * t * e1 + 2 * t * f * e1 + f * e1 + 2 * t * f * e1 + t * e
-    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=False) == plain
     square = (
-        2 * t * t * f + 2 * t * t * e1 + t * t  # local blocks, squared scores
-        + 2 * t * f * f * e1 + t * f * e1  # state
-        + f * f * e1  # prefix
-        + 2 * t * f * f * e1 + 2 * t * f * e1  # apply
+        2 * n * b * b * f + 2 * n * b * b * e1 + n * b * b  # local blocks, squared scores
+        + 2 * m * b * f * f * e1 + m * b * f * e1  # states
+        + m * f * f * e1  # running state
+        + 2 * m * b * f * f * e1 + 2 * m * b * f * e1  # reads
         + t * e
     )  # fmt: skip
-    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=True) == square
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == square
     # F <= E and T >= 64: explicit symmetric pair features, F(F//2 + 1) = 12 per token
-    t, f, e = 128, 4, 8
-    e1, fp = e + 1, 12
+    t, b, f, e, fp = 128, 64, 4, 8, 12
     pairs = (
-        2 * t * t * f + 2 * t * t * e1 + t * t  # local blocks, squared scores
-        + 2 * t * fp  # pair features of q and k
-        + 2 * t * fp * e1 + fp * e1 + 2 * t * fp * e1  # state, prefix, apply
+        2 * n * b * b * f + 2 * n * b * b * e + n * b * b + n * b * b  # local, squares, row sums
+        + 2 * n * b * fp  # pair features of q and k
+        + 2 * m * b * fp * e + m * b * fp  # states, key sums
+        + m * fp * e  # running state
+        + 2 * m * b * fp * e + 2 * m * b * fp  # reads
         + t * e
     )  # fmt: skip
-    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=256, square=True) == pairs
+    assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == pairs
     kw = dict(feature_dim=32, value_dim=64, chunk_size=256, square=True)
-    assert chunked_flops(2 * 4096, **kw) == 2 * chunked_flops(4096, **kw)
+    step = chunked_flops(2 * 4096, **kw) - chunked_flops(4096, **kw)
+    assert chunked_flops(3 * 4096, **kw) - chunked_flops(2 * 4096, **kw) == step
     assert sdpa_flops(2048, head_dim=64, value_dim=64) == 4 * sdpa_flops(
         1024, head_dim=64, value_dim=64
     )

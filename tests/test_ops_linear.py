@@ -6,6 +6,7 @@ import torch
 from conftest import rel_err
 from polysketch.ops import (
     chunked_lt_multiply,
+    chunked_lt_multiply_with_sums,
     cumsum_lt_multiply,
     linear_attention,
     naive_linear_attention,
@@ -193,8 +194,9 @@ def lt_reference(q, k, v, initial, square):
 # F = 3 <= E = 5 builds the pair features ψ (T = 70 >= SYMMETRIC_MIN_LENGTH, with a
 # non-symmetric initial state); F = 7 > E contracts one factor at a time. 10 blocks of 7 rows;
 # group_bytes 1 -> one block per group; 8000 -> 2+2+2+2+2 blocks (plain), 1 per group (square);
-# 60000 -> 2+2+2+2+2 (plain), 9+1 (F = 3), 2+2+2+2+2 (F = 7); None -> all 10 at once
-@pytest.mark.parametrize("group_bytes", [1, 8000, 60000, None])
+# 20000 -> 7+3 (plain), 4+4+2 (F = 3), 1 per group (F = 7); 60000 -> 10 (plain, F = 3),
+# 2+2+2+2+2 (F = 7); None -> all 10 at once
+@pytest.mark.parametrize("group_bytes", [1, 8000, 20000, 60000, None])
 @pytest.mark.parametrize("square,f", [(False, 3), (True, 3), (True, 7)])
 def test_group_scan_matches_explicit_product(square, f, group_bytes):
     q, k, v = make((2,), 70, 70, f, 5, positive=False, seed=f)
@@ -220,7 +222,7 @@ def test_group_scan_matches_explicit_product(square, f, group_bytes):
         assert close(x, y, 1e-12)
 
 
-@pytest.mark.parametrize("group_bytes", [1, 8000, 60000, None])
+@pytest.mark.parametrize("group_bytes", [1, 8000, 20000, 60000, None])
 @pytest.mark.parametrize("square,f", [(False, 3), (True, 3), (True, 7)])
 def test_group_scan_is_bitwise_causal(square, f, group_bytes):
     q, k, v = make((2,), 70, 70, f, 5, positive=False, seed=5, dtype=torch.float32)
@@ -236,6 +238,46 @@ def test_group_scan_is_bitwise_causal(square, f, group_bytes):
         assert not torch.equal(out, base)
 
 
+@pytest.mark.parametrize("group_bytes", [1, 8000, 20000, 60000, None])
+@pytest.mark.parametrize("square,f", [(False, 3), (True, 3), (True, 7)])
+def test_with_sums_equals_product_with_ones_column(square, f, group_bytes):
+    # row sums / key sums beside the product == the [C 1] product of PolySketchFormer §4, for
+    # the plain, pair-feature (F <= E, T >= 64) and one-factor-at-a-time (F > E) paths, with a
+    # non-symmetric initial state; outputs, final states and gradients
+    q, k, v = make((2,), 70, 70, f, 5, positive=False, seed=f + 1)
+    g = torch.Generator().manual_seed(12)
+    fshape = (f, f) if square else (f,)
+    init = torch.randn(2, *fshape, 5, generator=g, dtype=F64)
+    init_z = torch.randn(2, *fshape, generator=g, dtype=F64)
+    inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v, init, init_z))
+    kw = dict(chunk_size=7, square=square, group_bytes=group_bytes)
+
+    def with_sums(q, k, v, init, init_z):
+        return chunked_lt_multiply_with_sums(q, k, v, initial=init, initial_sums=init_z, **kw)
+
+    def with_ones(q, k, v, init, init_z):
+        c = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        out, state = chunked_lt_multiply(
+            q, k, c, initial=torch.cat([init, init_z.unsqueeze(-1)], dim=-1), **kw
+        )
+        return out[..., :5], out[..., 5], state[..., :5], state[..., 5]
+
+    def grads(fn):
+        parts = fn(*inputs)
+        loss = sum((p * torch.linspace(-1, 2, p.numel(), dtype=F64).reshape(p.shape)).sum()
+                   for p in parts)  # fmt: skip
+        return (*(p.detach() for p in parts), *torch.autograd.grad(loss, inputs))
+
+    for x, y in zip(grads(with_sums), grads(with_ones), strict=True):
+        assert close(x, y, 1e-12)
+    out, rs, state, z = chunked_lt_multiply_with_sums(
+        q, k, v, initial=init, initial_sums=init_z, final_state=False, **kw
+    )
+    assert state is None and z is None
+    assert torch.equal(out, with_sums(q, k, v, init, init_z)[0])
+    assert torch.equal(rs, with_sums(q, k, v, init, init_z)[1])
+
+
 def test_group_bytes_is_validated():
     q, k, v = make((), 5, 5, 2, 3, positive=True)
     with pytest.raises(ValueError, match="group_bytes"):
@@ -243,9 +285,9 @@ def test_group_bytes_is_validated():
 
 
 @pytest.mark.parametrize("square", [False, True])
-def test_decode_state_is_reused_without_copy_and_steps_match_forward(square):
+def test_decode_state_is_used_without_copy_and_steps_match_forward(square):
     from polysketch.ops import LinearAttentionState, linear_attention_step
-    from polysketch.ops.recurrent import pack_state
+    from polysketch.ops.recurrent import unpack_state
 
     q, k, v = make((2,), 9, 9, 3, 4, positive=True, seed=4)
     full = linear_attention(q, k, v, causal=True, square=square)
@@ -255,15 +297,15 @@ def test_decode_state_is_reused_without_copy_and_steps_match_forward(square):
             return_state=True,
         )  # fmt: skip
         kw = dict(leading=(2,), feature_dim=3, value_dim=4, square=square, dtype=F64)
-        kw.update(device=q.device, with_denominator=True)
-        packed = pack_state(state, **kw)
-        assert packed.data_ptr() == state.numerator.data_ptr()  # the [N Z] buffer itself
-        assert torch.equal(packed[..., :4], state.numerator)
-        assert torch.equal(packed[..., 4], state.denominator)
-        # separate tensors (not views of one buffer) are concatenated
-        copy = LinearAttentionState(state.numerator.clone(), state.denominator.clone(), 6)
-        assert torch.equal(pack_state(copy, **kw), packed)
-        assert pack_state(copy, **kw).data_ptr() != copy.numerator.data_ptr()
+        kw.update(device=q.device)
+        num, den = unpack_state(state, with_denominator=True, **kw)
+        assert num is state.numerator and den is state.denominator  # same dtype: no copy
+        num, den = unpack_state(state, with_denominator=False, **kw)
+        assert num is state.numerator and den is None
+        num32, den32 = unpack_state(state, with_denominator=True, **{**kw, "dtype": torch.float32})
+        assert num32.dtype == den32.dtype == torch.float32
+        assert unpack_state(None, with_denominator=True, **kw) == (None, None)
+        assert isinstance(state, LinearAttentionState)
         outs = []
         for i in range(6, 9):
             sl = slice(i, i + 1)

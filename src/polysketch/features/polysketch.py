@@ -186,20 +186,34 @@ class PolySketch(FeatureMap):
 
     # ----- features ------------------------------------------------------------------------
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x): (..., D) -> (..., r); one batched matmul per tree level (q + 1 levels)."""
+        """φ(x): (..., D) -> (..., r); one matmul for the leaves and the first node level, then
+        one batched matmul per further level.
+
+        The first node level only sees leaves, and a leaf is linear in x, so node k's factors
+        u G_(k,0) = √(1/r)·x W_(2k) G_(k,0) come from one GEMM with the D×r matrices W G
+        composed in advance (the e1 leaves l >= p give constant rows e1 W_l G). Exact
+        algebra; the naive level-by-level tree is the reference in the tests.
+        """
         p, r, leaves = self.degree, self.num_features, self.num_leaves
         w_leaf, w_node = self.sketch_matrices(x.dtype)
         scale = 1.0 / math.sqrt(r)
         lead, n_rows = x.shape[:-1], math.prod(x.shape[:-1])
-        # Layout (nodes, N, r) with N = prod(lead): every level is one batched GEMM.
-        # All p leaves in one (N, D) x (D, p·r) matmul.
-        w_cat = w_leaf[:p].transpose(0, 1).reshape(self.dim, p * r)
-        z = (x.reshape(n_rows, self.dim) @ w_cat).view(n_rows, p, r).transpose(0, 1) * scale
-        if leaves > p:  # sketches of e1: row 0 of the leaf matrices, the same for every x
-            e1 = w_leaf[p:, 0, :] * scale  # (L − p, r)
-            z = torch.cat([z, e1.unsqueeze(1).expand(leaves - p, n_rows, r)], dim=0)
-        offset, count = 0, leaves
-        while count > 1:  # loop over the q levels only
+        flat = x.reshape(n_rows, self.dim)
+        if leaves == 1:  # degree 1: the leaf alone
+            return (flat @ w_leaf[0] * scale).reshape(*lead, r)
+        count = leaves // 2
+        # children (2k, 2k+1) of first-level node k: composed matrices (2·count, D, r)
+        composed = w_leaf @ w_node[:count].reshape(2 * count, r, r)
+        real = composed[:p].transpose(0, 1).reshape(self.dim, p * r)
+        y = flat @ real  # (N, p·r): the children that are leaves of x
+        if leaves > p:  # leaves of e1: constant rows e1 W_l G, the same for every x
+            const = composed[p:, 0, :].reshape(1, (leaves - p) * r).expand(n_rows, -1)
+            y = torch.cat([y, const], dim=-1)
+        y = y.view(n_rows, count, 2, r)
+        z = y[:, :, 0] * y[:, :, 1] * scale**3  # (N, count, r): level 1
+        z = z.transpose(0, 1)  # (count, N, r): every further level is one batched GEMM
+        offset = count
+        while count > 1:  # the remaining q - 1 levels
             count //= 2
             w = w_node[offset : offset + count].reshape(2 * count, r, r)
             offset += count

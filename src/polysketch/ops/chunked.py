@@ -42,6 +42,7 @@ __all__ = [
     "apply_state",
     "noncausal_multiply",
     "chunked_lt_multiply",
+    "chunked_lt_multiply_with_sums",
 ]
 
 GROUP_BYTES = 4 * 2**20
@@ -63,30 +64,32 @@ def self_outer(x: torch.Tensor) -> torch.Tensor:
 
 
 class _PairFeatures:
-    """ψ(x) of the F(⌊F/2⌋+1) products x_a x_(a+d mod F), d = 0..⌊F/2⌋, a = 0..F-1.
+    """ψ(x) of the F(⌊F/2⌋+1) products x_a x_(a+d mod F), a = 0..F-1, d = 0..⌊F/2⌋.
 
     Grouping (x·y)² = Σ_ab x_a x_b y_a y_b by the cyclic offset d = b - a mod F (offsets d and
-    F - d give the same sum): (x·y)² = Σ_(d,a) ω_d ψ(x)_(d,a) ψ(y)_(d,a) with ω_d = 2 for
+    F - d give the same sum): (x·y)² = Σ_(a,d) ω_d ψ(x)_(a,d) ψ(y)_(a,d) with ω_d = 2 for
     0 < d < F/2, else 1 (d = 0, and d = F/2 for even F), exactly (ω is a power of two). About
-    half the length of x⊗x, built from strided views (no gather). A state S (F, F, E) is read
-    only through its symmetric part, Σ_fg A_f A_g S_fge = Σ_(d,a) ω_d ψ(A)_(d,a) Ŝ_(d,a)
-    with Ŝ_(d,a) = (S_(a,a+d) + S_(a+d,a)) / 2; for the keys' symmetric Σ B⊗B⊗C,
-    Ŝ_(d,a) = S_(a,a+d) and ``expand`` maps it back exactly.
+    half the length of x⊗x, built from a strided view (no gather) and laid out (a, d) so the
+    product is contiguous (no copy when flattened). A state S (F, F, E) is read only through
+    its symmetric part, Σ_fg A_f A_g S_fge = Σ_(a,d) ω_d ψ(A)_(a,d) Ŝ_(a,d) with
+    Ŝ_(a,d) = (S_(a,a+d) + S_(a+d,a)) / 2; for the keys' symmetric Σ B⊗B⊗C,
+    Ŝ_(a,d) = S_(a,a+d) and ``expand`` maps it back exactly.
     """
 
     def __init__(self, f: int, like: torch.Tensor):
         kw = {"device": like.device}
         self.f, self.half = f, f // 2
-        d = torch.arange(self.half + 1, **kw).repeat_interleave(f)
-        a = torch.arange(f, **kw).repeat(self.half + 1)
+        width = self.half + 1
+        a = torch.arange(f, **kw).repeat_interleave(width)
+        d = torch.arange(width, **kw).repeat(f)
         g = (a + d) % f
         single = (d == 0) | (2 * d == f)
         self.omega = torch.where(single, 1.0, torch.full(d.shape, 2.0, dtype=like.dtype, **kw))
         self.flat, self.flat_t = a * f + g, g * f + a  # (a, a+d) and (a+d, a) in F²
         rows = torch.arange(f, **kw).repeat_interleave(f)
         cols = torch.arange(f, **kw).repeat(f)
-        fwd = (cols - rows) % f
-        self.inverse = torch.where(fwd <= self.half, fwd * f + rows, ((rows - cols) % f) * f + cols)
+        fwd, back = (cols - rows) % f, (rows - cols) % f
+        self.inverse = torch.where(fwd <= self.half, rows * width + fwd, cols * width + back)
 
     @property
     def dim(self) -> int:
@@ -95,15 +98,15 @@ class _PairFeatures:
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """ψ(x): (..., T, F) -> (..., T, F'), F' = F(⌊F/2⌋+1)."""
         ext = torch.cat([x, x[..., : self.half]], dim=-1)  # x_(a+d mod F) = ext_(a+d)
-        shifted = ext.unfold(-1, self.f, 1)  # (..., T, ⌊F/2⌋+1, F), a view
-        return (x.unsqueeze(-2) * shifted).flatten(-2)
+        windows = ext.unfold(-1, self.half + 1, 1)  # (..., T, F, ⌊F/2⌋+1), a view
+        return (x.unsqueeze(-1) * windows).flatten(-2)
 
     def compress(self, s: torch.Tensor) -> torch.Tensor:
-        """Ŝ from a flattened state (..., F², E) -> (..., F', E)."""
+        """Ŝ from a flattened state (..., F², ·) -> (..., F', ·)."""
         return (s[..., self.flat, :] + s[..., self.flat_t, :]) / 2
 
     def expand(self, s: torch.Tensor) -> torch.Tensor:
-        """The symmetric flattened state (..., F², E) whose Ŝ is s (..., F', E)."""
+        """The symmetric flattened state (..., F², ·) whose Ŝ is s (..., F', ·)."""
         return s[..., self.inverse, :]
 
 
@@ -158,12 +161,12 @@ def _add_states(s: torch.Tensor, kt: torch.Tensor, c: torch.Tensor) -> torch.Ten
     return torch.baddbmm(s.reshape(-1, fs, e), kt, c.reshape(-1, blk, e)).view(s.shape)
 
 
-def _block_elements(blk: int, f: int, e: int, *, square: bool, expand: bool) -> int:
-    """Elements of the temporaries one block adds to a group (per leading slice)."""
-    fs = f * f if square else f
+def _block_elements(blk: int, f: int, e: int, fs: int, *, square: bool, expand: bool) -> int:
+    """Elements of the temporaries one block adds to a group (per leading slice); ``fs`` is
+    the state features per token F' (F, F², or the F(⌊F/2⌋+1) pair products)."""
     per = 2 * blk * blk + blk * e + 3 * fs * e  # scores, out, states + prefix
     if expand:
-        per += 2 * blk * f * f  # A⊗A, B⊗B
+        per += 2 * blk * fs  # Φ(A), Φ(B)
     elif square:
         per += 2 * blk * f * e  # B⊗C and Σ_f A_f S_f·
     return per
@@ -178,7 +181,8 @@ def chunked_lt_multiply(
     square: bool = False,
     initial: torch.Tensor | None = None,
     group_bytes: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    final_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal lt((A Bᵀ)^{∘q}) C by blocks of ``chunk_size`` rows (Theorem 3.1, Figure 4).
 
     With blocks A_n, B_n, C_n of b rows (T padded with zero rows up to a multiple of b;
@@ -198,12 +202,74 @@ def chunked_lt_multiply(
     trace through it). The carried state after a group is one fused GEMM P + K_lastᵀ C_last.
     O(T·b·F + T·F·E) time (T·F²·E when square).
     Shapes: A, B (..., T, F), C (..., T, E) with the same leading dims, ``initial``
-    (..., F[, F], E) -> out (..., T, E) and the final state initial + Σ_all S_m.
+    (..., F[, F], E) -> out (..., T, E) and the final state initial + Σ_all S_m, or ``None``
+    with ``final_state=False`` (the last block's state is then never computed).
     """
+    out, _, state, _ = _scan(
+        a, b, c, chunk_size=chunk_size, square=square, initial=initial, initial_sums=None,
+        sums=False, final_state=final_state, group_bytes=group_bytes,
+    )  # fmt: skip
+    return out, state
+
+
+def chunked_lt_multiply_with_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    chunk_size: int = 256,
+    square: bool = False,
+    initial: torch.Tensor | None = None,
+    initial_sums: torch.Tensor | None = None,
+    group_bytes: int | None = None,
+    final_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``chunked_lt_multiply`` of C and of a ones column, without appending the column.
+
+    The normalizer of linear attention is lt((A Bᵀ)^{∘q}) 1 (§4 appends 1 to V). Here it is
+    computed beside the product, as row sums of the masked local scores plus Φ(A_n)·z_n with
+    z_n = initial_sums + Σ_{m<n} Σ_{t∈m} Φ(B_t), so every GEMM keeps the width E of C (an E+1
+    = 65 wide operand runs ~15% slower than 64 in CPU BLAS). With F > E (one factor at a
+    time) the ones column is appended instead. Shapes: A, B (..., T, F), C (..., T, E),
+    ``initial`` (..., F[, F], E), ``initial_sums`` (..., F[, F]) -> out (..., T, E),
+    row_sums (..., T), state (..., F[, F], E) and key_sums (..., F[, F]) (both ``None`` with
+    ``final_state=False``).
+    """
+    return _scan(
+        a, b, c, chunk_size=chunk_size, square=square, initial=initial,
+        initial_sums=initial_sums, sums=True, final_state=final_state, group_bytes=group_bytes,
+    )  # fmt: skip
+
+
+def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_state, group_bytes):
+    """The group scan behind both public functions; returns (out, row_sums, state, key_sums)."""
     if group_bytes is None:
         group_bytes = GROUP_BYTES if a.device.type == "cpu" else ACCELERATOR_GROUP_BYTES
     group_bytes = check_positive_int(group_bytes, "group_bytes")
     t, f, e = a.shape[-2], a.shape[-1], c.shape[-1]
+    expand = square and f <= e  # F² per token <= F·E: build A⊗A, B⊗B (module docstring)
+    mixed = square and not expand  # one factor at a time
+    if sums and mixed:  # no cheap key sums here: carry the ones column through the GEMMs
+        c1 = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+        init1 = None
+        if initial is not None or initial_sums is not None:
+            init1 = torch.cat(
+                [
+                    a.new_zeros(*c.shape[:-2], f, f, e) if initial is None else initial,
+                    (
+                        a.new_zeros(*c.shape[:-2], f, f) if initial_sums is None else initial_sums
+                    ).unsqueeze(-1),
+                ],
+                dim=-1,
+            )
+        out, _, state, _ = _scan(
+            a, b, c1, chunk_size=chunk_size, square=square, initial=init1, initial_sums=None,
+            sums=False, final_state=final_state, group_bytes=group_bytes,
+        )  # fmt: skip
+        if state is None:
+            return out[..., :e], out[..., e], None, None
+        return out[..., :e], out[..., e], state[..., :e], state[..., e]
+
     blk = max(1, min(chunk_size, t))
     n = -(-t // blk)
     pad = n * blk - t
@@ -211,71 +277,108 @@ def chunked_lt_multiply(
         a, b, c = (nnf.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
     a, b, c = (x.unflatten(-2, (n, blk)) for x in (a, b, c))  # (..., n, blk, ·)
     lead = a.shape[:-3]
-    expand = square and f <= e  # F² per token <= F·E: build A⊗A, B⊗B (module docstring)
-    mixed = square and not expand  # one factor at a time
     fs = f * f if square else f
     sym = _PairFeatures(f, a) if expand and t >= SYMMETRIC_MIN_LENGTH and f > 2 else None
     if sym is not None:
         fs = sym.dim
 
-    per_block = _block_elements(blk, f, e, square=square, expand=expand)
+    per_block = _block_elements(blk, f, e, fs, square=square, expand=expand)
     per_block *= math.prod(lead) * a.element_size()
     group = max(1, min(n, group_bytes // max(1, per_block)))
 
-    zero_state = initial is None
-    if initial is None:
-        state = a.new_zeros(*lead, fs, e)
-    else:
-        state = initial.flatten(-3, -2) if square else initial  # (..., F', E)
-        if sym is not None:
-            state = sym.compress(state)
+    zero_state = initial is None and initial_sums is None
+    state = a.new_zeros(*lead, fs, e) if initial is None else initial
+    if square and initial is not None:
+        state = state.flatten(-3, -2)  # (..., F², E)
+    z = None
+    if sums:
+        z = a.new_zeros(*lead, fs) if initial_sums is None else initial_sums
+        if square and initial_sums is not None:
+            z = z.flatten(-2)  # (..., F²)
     if sym is not None:  # key features ψᵀ; queries read ψ(A) (ω ⊙ P)
-        key_t = lambda x: sym.features(x).transpose(-1, -2)  # noqa: E731
+        if initial is not None:
+            state = sym.compress(state)
+        if sums and initial_sums is not None:
+            z = sym.compress(z.unsqueeze(-1)).squeeze(-1)
+        feats = sym.features
         omega = sym.omega.unsqueeze(-1)
     elif expand:
-        key_t = lambda x: self_outer(x).transpose(-1, -2)  # noqa: E731
+        feats = self_outer
     else:
-        key_t = lambda x: x.transpose(-1, -2)  # noqa: E731
+        feats = None
     tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
     zero = a.new_zeros(())
-    outs = []
+    outs, row_sums = [], []
+    groups = list(zip(*(x.split(group, dim=-3) for x in (a, b, c)), strict=True))
     # split (not slicing in the loop): its backward is one concatenation, not a full-size
     # zero tensor per group
-    for ag, bg, cg in zip(*(x.split(group, dim=-3) for x in (a, b, c)), strict=True):
+    for i, (ag, bg, cg) in enumerate(groups):
         # Within blocks: exact masked products lt((A_n B_nᵀ)^{∘q}) C_n.
         scores = ag @ bg.transpose(-1, -2)  # (..., G, blk, blk)
         if square:
             scores = scores * scores
-        out = torch.where(tril, scores, zero) @ cg
+        masked = torch.where(tril, scores, zero)
+        out = masked @ cg
+        rs = masked.sum(-1) if sums else None  # (..., G, blk)
         # Across blocks: exclusive prefix P (..., G, F', E) = state + Σ of the EARLIER blocks'
         # states of the group (the last block's state only enters the carried state).
-        kt = None if mixed else key_t(bg)  # key features in state form, (..., G, F', blk)
+        kf = None if mixed else (bg if feats is None else feats(bg))  # (..., G, blk, F')
         prefix = state.unsqueeze(-3)
+        zprefix = z.unsqueeze(-2) if sums else None  # (..., 1, F')
         if bg.shape[-3] > 1:
             if mixed:
                 states = square_state(bg[..., :-1, :, :], cg[..., :-1, :, :]).flatten(-3, -2)
             else:
-                states = kt[..., :-1, :, :] @ cg[..., :-1, :, :]
+                states = kf[..., :-1, :, :].transpose(-1, -2) @ cg[..., :-1, :, :]
             prefix = torch.cat([prefix, prefix + states.cumsum(-3)], dim=-3)
+            if sums:
+                zs = kf[..., :-1, :, :].sum(-2)  # (..., G-1, F')
+                zprefix = torch.cat([zprefix, zprefix + zs.cumsum(-2)], dim=-2)
         if zero_state and bg.shape[-3] == 1:
-            pass  # the first block without ``initial`` reads an all-zero state: nothing to add
-        elif sym is not None:
-            out = out + sym.features(ag) @ (prefix * omega)
+            pass  # the first block without an initial state reads all-zero states
         elif mixed:
             out = out + square_apply(ag, prefix.unflatten(-2, (f, f)))
         else:
-            out = out + key_t(ag).transpose(-1, -2) @ prefix
+            qf = ag if feats is None else feats(ag)  # (..., G, blk, F')
+            if sym is not None:  # ω of the pair features
+                out = out + qf @ (prefix * omega)
+                zread = zprefix * sym.omega if sums else None
+            else:
+                out = out + qf @ prefix
+                zread = zprefix
+            if sums:
+                rs = rs + (qf @ zread.unsqueeze(-1)).squeeze(-1)
         outs.append(out)
+        if sums:
+            row_sums.append(rs)
         zero_state = False
+        if i + 1 == len(groups) and not final_state:
+            state = z = None
+            break
         last = prefix[..., -1, :, :]
         if mixed:
             state = last + square_state(bg[..., -1, :, :], cg[..., -1, :, :]).flatten(-3, -2)
         else:  # one fused GEMM: last + K_lastᵀ C_last
-            state = _add_states(last, kt[..., -1, :, :], cg[..., -1, :, :])
+            state = _add_states(last, kf[..., -1, :, :].transpose(-1, -2), cg[..., -1, :, :])
+        if sums:
+            z = zprefix[..., -1, :] + kf[..., -1, :, :].sum(-2)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
+    out = out.flatten(-3, -2)[..., :t, :]
+    rs = None
+    if sums:
+        rs = row_sums[0] if len(row_sums) == 1 else torch.cat(row_sums, dim=-2)
+        rs = rs.flatten(-2)[..., :t]
+    if state is None:
+        return out, rs, None, None
     if sym is not None:
         state = sym.expand(state)
         if initial is not None:  # Ŝ dropped the antisymmetric part of ``initial``; restore it
             state = state + (initial - initial.transpose(-2, -3)).flatten(-3, -2) / 2
-    final = state.unflatten(-2, (f, f)) if square else state
-    return out.flatten(-3, -2)[..., :t, :], final
+        if sums:
+            z = sym.expand(z.unsqueeze(-1)).squeeze(-1)
+            if initial_sums is not None:
+                z = z + (initial_sums - initial_sums.transpose(-1, -2)).flatten(-2) / 2
+    if square:
+        state = state.unflatten(-2, (f, f))
+        z = z.unflatten(-1, (f, f)) if sums else None
+    return out, rs, state, z

@@ -30,10 +30,15 @@ from ._validate import (
     check_offset_eps,
     check_qkv,
 )
-from .chunked import chunked_lt_multiply, noncausal_multiply, square_state
+from .chunked import (
+    chunked_lt_multiply,
+    chunked_lt_multiply_with_sums,
+    noncausal_multiply,
+    square_state,
+)
 from .cumsum import cumsum_lt_multiply
 from .naive import DEFAULT_EPS, stabilize_denominator
-from .recurrent import LinearAttentionState, pack_state
+from .recurrent import LinearAttentionState, unpack_state
 
 __all__ = ["ALGORITHMS", "linear_attention", "kernel_attention"]
 
@@ -102,9 +107,7 @@ def linear_attention(
         c = torch.where(keep, c, c.new_zeros(()))
     e = v.shape[-1]
     track_den = normalize or return_state
-    if track_den:
-        c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)  # [V 1], §4
-    init = pack_state(
+    num0, den0 = unpack_state(
         initial_state,
         leading=tuple(q.shape[:-2]),
         feature_dim=q.shape[-1],
@@ -118,28 +121,41 @@ def linear_attention(
     if causal and tq < tk:  # keys before the first query are a prefix, visible to all queries
         pre = tk - tq
         kp, cp = k[..., :pre, :], c[..., :pre, :]
-        s0 = square_state(kp, cp) if square else kp.transpose(-1, -2) @ cp
-        init = s0 if init is None else init + s0
+        n0 = square_state(kp, cp) if square else kp.transpose(-1, -2) @ cp
+        num0 = n0 if num0 is None else num0 + n0
+        if track_den:  # Σ φk (plain) or Σ φk⊗φk = φkᵀφk (square)
+            z0 = kp.transpose(-1, -2) @ kp if square else kp.sum(-2)
+            den0 = z0 if den0 is None else den0 + z0
         k, c = k[..., pre:, :], c[..., pre:, :]
 
-    if not causal:
-        out, state = noncausal_multiply(q, k, c, square=square, initial=init)
-    elif algorithm == "chunked":
-        out, state = chunked_lt_multiply(
-            q, k, c, chunk_size=chunk_size, square=square, initial=init
-        )
-    else:
-        out, state = cumsum_lt_multiply(q, k, c, square=square, initial=init)
+    if causal and algorithm == "chunked":
+        kw = dict(chunk_size=chunk_size, square=square, final_state=return_state)
+        if track_den:  # the normalizer as row sums beside the product (no ones column)
+            out, den, num, z = chunked_lt_multiply_with_sums(
+                q, k, c, initial=num0, initial_sums=den0, **kw
+            )
+        else:
+            out, num = chunked_lt_multiply(q, k, c, initial=num0, **kw)
+    else:  # the normalizer as the last column of the product with [V 1] (§4)
+        init = num0
+        if track_den:
+            c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+            if num0 is not None:
+                init = torch.cat([num0, den0.unsqueeze(-1)], dim=-1)
+        if causal:
+            out, num = cumsum_lt_multiply(q, k, c, square=square, initial=init)
+        else:
+            out, num = noncausal_multiply(q, k, c, square=square, initial=init)
+        if track_den:
+            out, den, num, z = out[..., :e], out[..., e], num[..., :e], num[..., e]
 
     if normalize:
-        out = out[..., :e] / stabilize_denominator(out[..., e:] + offset, eps)
-    elif track_den:
-        out = out[..., :e]
+        out = out / stabilize_denominator(den.unsqueeze(-1) + offset, eps)
     out = out.to(dtype)
     if not return_state:
         return out
     previous = 0 if initial_state is None else initial_state.length
-    return out, LinearAttentionState(state[..., :e], state[..., e], previous + tk)
+    return out, LinearAttentionState(num, z, previous + tk)
 
 
 def kernel_attention(

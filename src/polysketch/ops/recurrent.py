@@ -20,7 +20,7 @@ import torch
 
 from .naive import DEFAULT_EPS
 
-__all__ = ["LinearAttentionState", "linear_attention_step", "pack_state"]
+__all__ = ["LinearAttentionState", "linear_attention_step", "unpack_state"]
 
 
 @dataclass
@@ -64,7 +64,7 @@ class LinearAttentionState:
         )
 
 
-def pack_state(
+def unpack_state(
     state,
     *,
     leading: tuple[int, ...],
@@ -75,13 +75,14 @@ def pack_state(
     dtype: torch.dtype,
     device: torch.device,
     name: str = "initial_state",
-) -> torch.Tensor | None:
-    """Validate ``state`` and return it as one tensor [N Z] (..., F[, F], E+1) in ``dtype``.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Validate ``state`` and return (N, Z) in ``dtype`` (no copy when the dtype matches).
 
-    Without ``with_denominator`` returns N alone (..., F[, F], E). ``None`` gives ``None``.
+    N (..., F[, F], E), Z (..., F[, F]), or Z = ``None`` without ``with_denominator``;
+    ``None`` gives (None, None).
     """
     if state is None:
-        return None
+        return None, None
     if not isinstance(state, LinearAttentionState):
         raise TypeError(
             f"{name} must be a LinearAttentionState or None, got {type(state).__name__}"
@@ -101,29 +102,7 @@ def pack_state(
         if t.device != device:
             raise ValueError(f"{name}.{part} must be on device {device}, got {t.device}")
     num = state.numerator.to(dtype)
-    if not with_denominator:
-        return num
-    packed = _packed_base(state.numerator, state.denominator, dtype)
-    if packed is not None:  # a state returned by the ops: reuse its [N Z] buffer, no copy
-        return packed
-    return torch.cat([num, state.denominator.to(dtype).unsqueeze(-1)], dim=-1)
-
-
-def _packed_base(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype):
-    """A view P with P[..., :E] = N and P[..., E] = Z in the same memory, else ``None``.
-
-    ``linear_attention(..., return_state=True)`` returns N and Z as such views of one
-    (..., F[, F], E+1) tensor, so decoding steps can hand it back without a concatenation.
-    Only without autograd (a view rebuilt from storage would not carry N's and Z's graphs).
-    """
-    if num.requires_grad or den.requires_grad or num.dtype != dtype or den.dtype != dtype:
-        return None
-    if num.untyped_storage().data_ptr() != den.untyped_storage().data_ptr():
-        return None
-    e, st = num.shape[-1], num.stride()
-    if den.stride() != st[:-1] or den.storage_offset() != num.storage_offset() + e * st[-1]:
-        return None
-    return num.as_strided((*num.shape[:-1], e + 1), st, num.storage_offset())
+    return num, state.denominator.to(dtype) if with_denominator else None
 
 
 def linear_attention_step(
