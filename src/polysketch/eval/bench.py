@@ -18,36 +18,11 @@ repeats until ``min_time`` seconds and ``min_repeats`` calls have passed (at mos
 ``max_repeats``); the median is reported. Matmul peak: the median GFLOP/s of an n×n fp32
 matmul, n = 4096 (2048 with ``quick``), timed in the same run.
 
-FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is a lower
-bound), for ``chunked_lt_multiply_with_sums`` (the normalizer as row/key sums beside the
-product, §4) with N = ⌈T/b⌉ blocks of b rows, M = N - 1 blocks that write (no final state is
-built) and read (the first block reads nothing) a state, F features, value width E and F'
-the state features per token: F plain; with ``square`` F(⌊F/2⌋+1) symmetric pair products
-when F <= E and T >= 64 (F² below 64 tokens), which the code builds explicitly (2 N b F'
-multiplies), else F² contracted one factor at a time with values [V 1] (E' = E + 1 below)::
-
-    2 N b² F  +  2 N b² E  [+ N b² square]  +  N b² row sums         local lt blocks
-    [+ 2 N b F' explicit square features of q and k]
-    + 2 M b F' E  +  M b F' key sums  [+ M b F E' one factor at a time]   block states
-    + M F' E                                                         running state
-    + 2 M b F' E  +  2 M b F' normalizer  [+ 2 M b F E']             queries read the state
-    + T E                                                            normalisation
-
-and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
-
-Peak memory: with CUDA the measured ``torch.cuda.max_memory_allocated`` delta of the call;
-on CPU an ANALYTIC estimate (in MiB) of the tensors alive at the peak of the call: for ours
-inputs 3TD, features 2TF, values and output 2TE, row sums T, carried state F'(E+1), plus one group
-of blocks of the scan (its temporaries are bounded by ``ops.chunked.GROUP_BYTES``); for
-SDPA inputs and output 4TD plus, when its math backend is chosen, the 2T² score/probability
-matrices (the fused CPU flash kernel stores no T×T matrix).
-The ``max_memory_gb`` budget skips SDPA sizes whose T×T fp32 score matrix B·H·T²·4 bytes
-would exceed it (reported ``skipped (memory)``), whatever backend would have run.
+FLOPs and memory: the analytic cost model of ``polysketch.eval.bench_costs``.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import statistics
@@ -56,7 +31,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as nnf
@@ -64,7 +38,8 @@ import torch.nn.functional as nnf
 from .._checks import check_float, check_positive_int
 from ..features import create
 from ..ops import linear_attention, linear_attention_step
-from ..ops.chunked import GROUP_BYTES, SYMMETRIC_MIN_LENGTH, _block_elements
+from .bench_costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
+from .bench_report import CSV_FIELDS, format_report, plot_results, times_of, write_csv
 
 __all__ = [
     "BenchConfig",
@@ -82,10 +57,6 @@ __all__ = [
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (128, 256, 512)
-CSV_FIELDS = (
-    "section", "method", "T", "status", "median_ms", "min_ms", "repeats", "speedup_vs_sdpa",
-    "gflop", "gflops_per_s", "pct_of_peak", "mem_mib", "mem_kind", "feature_dim", "state_dim",
-)  # fmt: skip
 
 
 @dataclass
@@ -134,65 +105,6 @@ def parse_lengths(text: str | Sequence) -> tuple[int, ...]:
     if not out:
         raise ValueError("lengths must name at least one length")
     return tuple(sorted(set(out)))
-
-
-def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, square: bool):
-    """FLOPs executed by causal normalized ``linear_attention`` (chunked) per (batch, head) slice.
-
-    Counts the work the implementation does (module docstring): the normalizer as row and key
-    sums beside the E-wide product (``chunked_lt_multiply_with_sums``); with ``square`` and
-    F <= E the per-token features are built explicitly, as the F(⌊F/2⌋+1) symmetric pair
-    products from ``SYMMETRIC_MIN_LENGTH`` tokens on (else F²); with F > E one factor at a
-    time, values [V 1]. No final state is built (the forward returns none), and the first
-    block reads no state.
-    """
-    b = min(chunk_size, t)
-    n = -(-t // b)
-    m = n - 1  # blocks that write a state (all but the last) and read one (all but the first)
-    f, e = feature_dim, value_dim
-    mixed = square and f > e
-    ec = e + 1 if mixed else e  # width of the GEMM operands
-    local = 2 * n * b * b * f + 2 * n * b * b * ec + (n * b * b if square else 0)
-    if not square:
-        fe, build, extra_states, extra_apply = f, 0, 0, 0
-    elif not mixed:  # explicit (pair) features of q and k
-        fe = f * (f // 2 + 1) if t >= SYMMETRIC_MIN_LENGTH and f > 2 else f * f
-        build, extra_states, extra_apply = 2 * n * b * fe, 0, 0
-    else:  # one factor at a time
-        fe, build = f * f, 0
-        extra_states, extra_apply = m * b * f * ec, 2 * m * b * f * ec
-    sums = 0 if mixed else n * b * b + m * b * fe + 2 * m * b * fe  # row, key sums, reads
-    states = 2 * m * b * fe * ec + extra_states
-    apply = 2 * m * b * fe * ec + extra_apply
-    return local + build + sums + states + m * fe * ec + apply + t * e
-
-
-def sdpa_flops(t: int, *, head_dim: int, value_dim: int) -> int:
-    """Useful FLOPs of causal softmax attention per slice: T²(D + E)."""
-    return t * t * (head_dim + value_dim)
-
-
-def _chunked_memory(t, *, d, f, e, chunk, square, slices: int = 1) -> int:
-    """Bytes alive at the peak of the group scan over ``slices`` (batch·head) slices (fp32)."""
-    b = min(chunk, t)
-    n = -(-t // b)
-    expand = square and f <= e  # ops.chunked builds the square features explicitly
-    ec = e if expand or not square else e + 1  # [V 1] only in the one-factor path
-    if not square:
-        fs = f
-    elif expand and t >= SYMMETRIC_MIN_LENGTH and f > 2:
-        fs = f * (f // 2 + 1)
-    else:
-        fs = f * f
-    # inputs, features, values, output and row sums; carried state and key sums
-    resident = 4 * slices * (3 * t * d + 2 * t * f + 2 * t * ec + t + fs * (ec + 1))
-    per_block = 4 * slices * _block_elements(b, f, ec, fs, square=square, expand=expand)
-    group = max(1, min(n, GROUP_BYTES // max(1, per_block)))  # blocks per group (ops.chunked)
-    return resident + group * per_block
-
-
-def _sdpa_memory(t, *, d, math_backend: bool) -> int:
-    return 4 * (4 * t * d + (2 * t * t if math_backend else 0))
 
 
 def _sync(device: torch.device) -> None:
@@ -353,7 +265,7 @@ def _run(config: BenchConfig) -> dict:
         else:
             fn = partial(_sdpa_forward, q, k, v)
             measured = _peak_memory(fn, device)
-            est = bsz * h * _sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
+            est = bsz * h * sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
             mem = (measured, "cuda") if measured is not None else (est, "analytic")
             flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
             rows.add("forward", "sdpa", t, "ok", time_call(fn, **timer), flop, mem)
@@ -362,7 +274,7 @@ def _run(config: BenchConfig) -> dict:
             fn = partial(_ours_forward, fmap, q, k, v, chunk)
             f, sq = fmap.feature_dim, fmap.square
             measured = _peak_memory(fn, device)
-            est = _chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
+            est = chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
             mem = (measured, "cuda") if measured is not None else (est, "analytic")
             flop = chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
             rows.add("forward", name, t, "ok", time_call(fn, **timer), bsz * h * flop, mem, fmap)
@@ -400,20 +312,12 @@ def _run(config: BenchConfig) -> dict:
     }
 
 
-def _times(rows, section, method) -> dict[int, float]:
-    return {
-        r["T"]: r["median_ms"]
-        for r in rows
-        if r["section"] == section and r["method"] == method and r["status"] == "ok"
-    }
-
-
 def _summarize(rows, lengths, ours: list[str]) -> dict:
     """Speed-ups vs SDPA, crossover lengths, growth exponents and decode flatness."""
-    sdpa = _times(rows, "forward", "sdpa")
+    sdpa = times_of(rows, "forward", "sdpa")
     out: dict = {}
     for name in ours:
-        mine = _times(rows, "forward", name)
+        mine = times_of(rows, "forward", name)
         for r in rows:
             if r["section"] == "forward" and r["method"] == name and r["T"] in sdpa:
                 r["speedup_vs_sdpa"] = sdpa[r["T"]] / r["median_ms"]
@@ -427,8 +331,8 @@ def _summarize(rows, lengths, ours: list[str]) -> dict:
             slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True)) / sum(
                 (a - mx) ** 2 for a in xs
             )
-        dec = _times(rows, "decode", name)
-        sdpa_dec = _times(rows, "decode", "sdpa")
+        dec = times_of(rows, "decode", name)
+        sdpa_dec = times_of(rows, "decode", "sdpa")
         dec_faster = [p for p in sorted(dec) if p in sdpa_dec and dec[p] < sdpa_dec[p]]
         out[name] = {
             "decode_crossover": dec_faster[0] if dec_faster else None,
@@ -439,86 +343,3 @@ def _summarize(rows, lengths, ours: list[str]) -> dict:
             "decode_max_over_min": max(dec.values()) / min(dec.values()) if dec else None,
         }
     return out
-
-
-def write_csv(rows: Sequence[dict], path) -> Path:
-    """Write the result rows to ``path`` (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    return path
-
-
-def plot_results(rows: Sequence[dict], path) -> Path:
-    """Log-log time vs T (forward) and time vs position (decode), one line per method."""
-    from .plots import log_axes, save_png, subplots
-
-    fig, axes = subplots(2, ncols=2)
-    for ax, section, xlabel in zip(
-        axes, ("forward", "decode"), ("sequence length T", "decode position P"), strict=True
-    ):
-        for method in dict.fromkeys(r["method"] for r in rows):
-            pts = sorted(_times(rows, section, method).items())
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", ms=4, label=method)
-        log_axes(ax)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("median time (ms)")
-        ax.set_title(f"causal {section}" if section == "forward" else "decode step")
-        ax.legend(fontsize=8)
-    return save_png(fig, path)
-
-
-_COLUMNS = {
-    "median_ms": "10.3f",
-    "min_ms": "10.3f",
-    "speedup_vs_sdpa": "7.2f",
-    "gflops_per_s": "8.1f",
-    "pct_of_peak": "6.1f",
-    "mem_mib": "9.1f",
-}
-
-
-def _fmt(value, spec: str) -> str:
-    return format(value, spec) if value != "" else ""
-
-
-def format_report(result: dict) -> str:
-    """Human-readable tables and the summary of ``run_benchmark``'s result."""
-    cfg = result["config"]
-    lines = [
-        f"device {result['device']}, torch.set_num_threads({result['threads']}), fp32, "
-        f"B={cfg.batch} H={cfg.heads} D=E={cfg.head_dim}, chunk b={cfg.chunk_size}",
-        f"measured matmul peak: {result['peak_gflops']:.1f} GFLOP/s ({cfg.matmul_n}² fp32)",
-        "",
-        f"{'section':<8} {'method':<11} {'T':>6} {'median ms':>10} {'min ms':>10} {'x SDPA':>7} "
-        f"{'GFLOP/s':>8} "
-        f"{'%peak':>6} {'MiB':>9} {'(mem)':<8} status",
-    ]
-    for r in result["rows"]:
-        c = {k: _fmt(r[k], spec) for k, spec in _COLUMNS.items()}
-        lines.append(
-            f"{r['section']:<8} {r['method']:<11} {r['T']:>6} {c['median_ms']:>10} "
-            f"{c['min_ms']:>10} {c['speedup_vs_sdpa']:>7} {c['gflops_per_s']:>8} "
-            f"{c['pct_of_peak']:>6} {c['mem_mib']:>9} {r['mem_kind']:<8} {r['status']}"
-        )
-    lines.append("")
-    for name, s in result["summary"].items():
-        cross = s["crossover"]
-        lines.append(
-            f"{name}: crossover (first T where it beats SDPA) = "
-            f"{cross if cross is not None else 'none measured'}"
-            + ("" if cross is None else f" (stays faster after: {s['faster_from_crossover_on']})")
-        )
-        if s["growth_exponent"] is not None:
-            lines.append(f"  time ~ T^{s['growth_exponent']:.2f} for T >= 4096 (1 = linear)")
-        if s["decode_max_over_min"] is not None:
-            lines.append(
-                f"  decode step time max/min over positions = {s['decode_max_over_min']:.2f}"
-            )
-    return "\n".join(lines)
