@@ -5,7 +5,10 @@
 
 computed without the T×T matrix: non-causal by associativity φq (φkᵀ [V 1]); causal by the
 block lower-triangular algorithm (``chunked``, Theorem 3.1) or by prefix sums (``cumsum``).
-The normalizer is the last column of the same product with [V 1] (§4). Visibility: causal
+The normalizer comes from the same pass: the last column of the product with [V 1] (§4), or,
+on the chunked path, the row sums of the masked block scores plus the queries' read of the
+running key sums (``chunked_lt_multiply_with_sums``: the same numbers without a 65th GEMM
+column). Visibility: causal
 (queries aligned with the last keys, see ``polysketch.ops.naive``) and a boolean
 ``key_padding_mask`` (..., Tk), True = keep (torch SDPA's boolean convention); masked keys
 never enter any state. ``stab`` is the sign-keeping clamp of ``naive.stabilize_denominator``.
