@@ -85,7 +85,7 @@ def test_train_mqar_task_and_generate_refuses_it(tmp_path, capsys):
 
 def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert main(["mqar", "--quick", "--out", str(out)]) == 0
+    assert main(["mqar", "--quick", "--threads", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     with open(out / "mqar.csv") as f:
         rows = {r["attention"]: r for r in csv.DictReader(f)}
@@ -108,6 +108,7 @@ def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
         (["train", "--lr", "-1"], "lr"),
         (["train", "--resume"], "ckpt.pt"),
         (["mqar", "--quick", "--attentions", "softmax", "bogus"], "attentions"),
+        (["mqar", "--quick", "--threads", "0"], "threads"),
         (["generate", "--checkpoint", "/no/such/ckpt.pt"], "ckpt.pt"),
     ],
 )
