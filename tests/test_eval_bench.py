@@ -59,21 +59,22 @@ def test_parse_lengths():
 def test_chunked_flops_formula():
     """Two blocks of b = T/2 rows equal the hand count; each further block adds the same work."""
     t, b, n, m = 8, 4, 2, 1  # n blocks; m = n - 1 write (no final state) and read a state
-    f, e = 4, 2  # F > E: the one-factor-at-a-time square path, values [V 1]
+    f, e = 4, 2  # F > E: the one-factor-at-a-time square path
     plain = (
         2 * n * b * b * f + 2 * n * b * b * e + n * b * b  # local blocks, row sums
-        + 2 * m * b * f * e + m * b * f  # states, key sums
+        + 2 * m * b * f * e  # states
         + m * f * e  # running state
-        + 2 * m * b * f * e + 2 * m * b * f  # reads: values, normalizer
+        + 2 * m * b * f * e  # reads
+        + m * b * f + 2 * m * b * f  # key sums Σ B, reads A·z
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=False) == plain
-    e1 = e + 1
     square = (
-        2 * n * b * b * f + 2 * n * b * b * e1 + n * b * b  # local blocks, squared scores
-        + 2 * m * b * f * f * e1 + m * b * f * e1  # states
-        + m * f * f * e1  # running state
-        + 2 * m * b * f * f * e1 + 2 * m * b * f * e1  # reads
+        2 * n * b * b * f + 2 * n * b * b * e + n * b * b + n * b * b  # local, squares, row sums
+        + 2 * m * b * f * f * e + m * b * f * e  # states
+        + m * f * f * e  # running state
+        + 2 * m * b * f * f * e + 2 * m * b * f * e  # reads
+        + 2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f  # Σ BᵀB, A Z Aᵀ
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == square
@@ -82,9 +83,10 @@ def test_chunked_flops_formula():
     pairs = (
         2 * n * b * b * f + 2 * n * b * b * e + n * b * b + n * b * b  # local, squares, row sums
         + 2 * n * b * fp  # pair features of q and k
-        + 2 * m * b * fp * e + m * b * fp  # states, key sums
+        + 2 * m * b * fp * e  # states
         + m * fp * e  # running state
-        + 2 * m * b * fp * e + 2 * m * b * fp  # reads
+        + 2 * m * b * fp * e  # reads
+        + 2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f  # Σ BᵀB, A Z Aᵀ
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == pairs

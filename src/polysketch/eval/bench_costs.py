@@ -6,13 +6,14 @@ product, §4) with N = ⌈T/b⌉ blocks of b rows, M = N - 1 blocks that write (
 built) and read (the first block reads nothing) a state, F features, value width E and F'
 the state features per token: F plain; with ``square`` F(⌊F/2⌋+1) symmetric pair products
 when F <= E and T >= 64 (F² below 64 tokens), which the code builds explicitly (2 N b F'
-multiplies), else F² contracted one factor at a time with values [V 1] (E' = E + 1 below)::
+multiplies), else F² contracted one factor at a time::
 
     2 N b² F  +  2 N b² E  [+ N b² square]  +  N b² row sums         local lt blocks
     [+ 2 N b F' explicit square features of q and k]
-    + 2 M b F' E  +  M b F' key sums  [+ M b F E' one factor at a time]   block states
+    + 2 M b F' E  [+ M b F E one factor at a time]                   block states
     + M F' E                                                         running state
-    + 2 M b F' E  +  2 M b F' normalizer  [+ 2 M b F E']             queries read the state
+    + 2 M b F' E  [+ 2 M b F E one factor at a time]                 queries read the state
+    + 3 M b F  (plain: Σ B, A·z)  or  4 M b F² + 2 M b F  (square: Σ BᵀB, A Z Aᵀ)  key sums
     + T E                                                            normalisation
 
 and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
@@ -42,28 +43,30 @@ def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, 
     sums beside the E-wide product (``chunked_lt_multiply_with_sums``); with ``square`` and
     F <= E the per-token features are built explicitly, as the F(⌊F/2⌋+1) symmetric pair
     products from ``SYMMETRIC_MIN_LENGTH`` tokens on (else F²); with F > E one factor at a
-    time, values [V 1]. No final state is built (the forward returns none), and the first
-    block reads no state.
+    time. No final state is built (the forward returns none), and the first block reads no
+    state.
     """
     b = min(chunk_size, t)
     n = -(-t // b)
     m = n - 1  # blocks that write a state (all but the last) and read one (all but the first)
     f, e = feature_dim, value_dim
-    mixed = square and f > e
-    ec = e + 1 if mixed else e  # width of the GEMM operands
-    local = 2 * n * b * b * f + 2 * n * b * b * ec + (n * b * b if square else 0)
+    local = 2 * n * b * b * f + 2 * n * b * b * e + (n * b * b if square else 0)
     if not square:
         fe, build, extra_states, extra_apply = f, 0, 0, 0
-    elif not mixed:  # explicit (pair) features of q and k
+    elif f <= e:  # explicit (pair) features of q and k
         fe = f * (f // 2 + 1) if t >= SYMMETRIC_MIN_LENGTH and f > 2 else f * f
         build, extra_states, extra_apply = 2 * n * b * fe, 0, 0
     else:  # one factor at a time
         fe, build = f * f, 0
-        extra_states, extra_apply = m * b * f * ec, 2 * m * b * f * ec
-    sums = 0 if mixed else n * b * b + m * b * fe + 2 * m * b * fe  # row, key sums, reads
-    states = 2 * m * b * fe * ec + extra_states
-    apply = 2 * m * b * fe * ec + extra_apply
-    return local + build + sums + states + m * fe * ec + apply + t * e
+        extra_states, extra_apply = m * b * f * e, 2 * m * b * f * e
+    # normalizer: row sums of the local scores; key sums Σ B (plain) or Σ BᵀB (square); reads
+    # A·z or A Z Aᵀ
+    sums = n * b * b + (
+        2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f if square else 3 * m * b * f
+    )
+    states = 2 * m * b * fe * e + extra_states
+    apply = 2 * m * b * fe * e + extra_apply
+    return local + build + sums + states + m * fe * e + apply + t * e
 
 
 def sdpa_flops(t: int, *, head_dim: int, value_dim: int) -> int:
@@ -76,7 +79,7 @@ def chunked_memory(t, *, d, f, e, chunk, square, slices: int = 1) -> int:
     b = min(chunk, t)
     n = -(-t // b)
     expand = square and f <= e  # ops.chunked builds the square features explicitly
-    ec = e if expand or not square else e + 1  # [V 1] only in the one-factor path
+    ec = e
     if not square:
         fs = f
     elif expand and t >= SYMMETRIC_MIN_LENGTH and f > 2:

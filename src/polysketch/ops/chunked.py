@@ -227,18 +227,33 @@ def chunked_lt_multiply_with_sums(
     """``chunked_lt_multiply`` of C and of a ones column, without appending the column.
 
     The normalizer of linear attention is lt((A Bᵀ)^{∘q}) 1 (§4 appends 1 to V). Here it is
-    computed beside the product, as row sums of the masked local scores plus Φ(A_n)·z_n with
-    z_n = initial_sums + Σ_{m<n} Σ_{t∈m} Φ(B_t), so every GEMM keeps the width E of C (an E+1
-    = 65 wide operand runs ~15% slower than 64 in CPU BLAS). With F > E (one factor at a
-    time) the ones column is appended instead. Shapes: A, B (..., T, F), C (..., T, E),
-    ``initial`` (..., F[, F], E), ``initial_sums`` (..., F[, F]) -> out (..., T, E),
-    row_sums (..., T), state (..., F[, F], E) and key_sums (..., F[, F]) (both ``None`` with
-    ``final_state=False``).
+    computed beside the product, so every GEMM keeps the width E of C (an E+1 = 65 wide
+    operand runs ~15% slower than 64 in CPU BLAS): row sums of the masked local scores plus
+    the read of the running key sums of earlier blocks, z = Σ B_t (plain: A_i·z) or
+    Z = Σ B_tᵀB_t (square: Σ_t (A_i·B_t)² = A_i Z A_iᵀ, a quadratic form in F, never F²).
+    Shapes: A, B (..., T, F), C (..., T, E), ``initial`` (..., F[, F], E), ``initial_sums``
+    (..., F[, F]) -> out (..., T, E), row_sums (..., T), state (..., F[, F], E) and key_sums
+    (..., F[, F]) (both ``None`` with ``final_state=False``).
     """
     return _scan(
         a, b, c, chunk_size=chunk_size, square=square, initial=initial,
         initial_sums=initial_sums, sums=True, final_state=final_state, group_bytes=group_bytes,
     )  # fmt: skip
+
+
+def _key_sums(b: torch.Tensor, square: bool) -> torch.Tensor:
+    """Σ_t B_t (..., F), or Σ_t B_tᵀB_t (..., F, F) when ``square``; B (..., blk, F)."""
+    return b.transpose(-1, -2) @ b if square else b.sum(-2)
+
+
+def _read_sums(a: torch.Tensor, z: torch.Tensor, square: bool) -> torch.Tensor:
+    """A_i·z (plain, z (..., F)) or A_i Z A_iᵀ (square, Z (..., F, F)) for A (..., blk, F).
+
+    Elementwise products and sums, not a matrix-vector ``bmm`` (several times slower on CPU).
+    """
+    if square:
+        return ((a @ z) * a).sum(-1)
+    return (a * z.unsqueeze(-2)).sum(-1)
 
 
 def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_state, group_bytes):
@@ -249,27 +264,6 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
     t, f, e = a.shape[-2], a.shape[-1], c.shape[-1]
     expand = square and f <= e  # F² per token <= F·E: build A⊗A, B⊗B (module docstring)
     mixed = square and not expand  # one factor at a time
-    if sums and mixed:  # no cheap key sums here: carry the ones column through the GEMMs
-        c1 = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
-        init1 = None
-        if initial is not None or initial_sums is not None:
-            init1 = torch.cat(
-                [
-                    a.new_zeros(*c.shape[:-2], f, f, e) if initial is None else initial,
-                    (
-                        a.new_zeros(*c.shape[:-2], f, f) if initial_sums is None else initial_sums
-                    ).unsqueeze(-1),
-                ],
-                dim=-1,
-            )
-        out, _, state, _ = _scan(
-            a, b, c1, chunk_size=chunk_size, square=square, initial=init1, initial_sums=None,
-            sums=False, final_state=final_state, group_bytes=group_bytes,
-        )  # fmt: skip
-        if state is None:
-            return out[..., :e], out[..., e], None, None
-        return out[..., :e], out[..., e], state[..., :e], state[..., e]
-
     blk = max(1, min(chunk_size, t))
     n = -(-t // blk)
     pad = n * blk - t
@@ -291,15 +285,11 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
     if square and initial is not None:
         state = state.flatten(-3, -2)  # (..., F², E)
     z = None
-    if sums:
-        z = a.new_zeros(*lead, fs) if initial_sums is None else initial_sums
-        if square and initial_sums is not None:
-            z = z.flatten(-2)  # (..., F²)
-    if sym is not None:  # key features ψᵀ; queries read ψ(A) (ω ⊙ P)
+    if sums:  # running key sums (..., F) or (..., F, F)
+        z = initial_sums if initial_sums is not None else a.new_zeros(*lead, *((f,) * (1 + square)))
+    if sym is not None:  # key features ψ; queries read ψ(A) (ω ⊙ P)
         if initial is not None:
             state = sym.compress(state)
-        if sums and initial_sums is not None:
-            z = sym.compress(z.unsqueeze(-1)).squeeze(-1)
         feats = sym.features
         omega = sym.omega.unsqueeze(-1)
     elif expand:
@@ -321,10 +311,11 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         out = masked @ cg
         rs = masked.sum(-1) if sums else None  # (..., G, blk)
         # Across blocks: exclusive prefix P (..., G, F', E) = state + Σ of the EARLIER blocks'
-        # states of the group (the last block's state only enters the carried state).
+        # states of the group (the last block's state only enters the carried state); the
+        # key sums likewise.
         kf = None if mixed else (bg if feats is None else feats(bg))  # (..., G, blk, F')
         prefix = state.unsqueeze(-3)
-        zprefix = z.unsqueeze(-2) if sums else None  # (..., 1, F')
+        zprefix = z.unsqueeze(-2 - square) if sums else None  # (..., 1, F[, F])
         if bg.shape[-3] > 1:
             if mixed:
                 states = square_state(bg[..., :-1, :, :], cg[..., :-1, :, :]).flatten(-3, -2)
@@ -332,22 +323,18 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
                 states = kf[..., :-1, :, :].transpose(-1, -2) @ cg[..., :-1, :, :]
             prefix = torch.cat([prefix, prefix + states.cumsum(-3)], dim=-3)
             if sums:
-                zs = kf[..., :-1, :, :].sum(-2)  # (..., G-1, F')
-                zprefix = torch.cat([zprefix, zprefix + zs.cumsum(-2)], dim=-2)
+                zs = _key_sums(bg[..., :-1, :, :], square)  # (..., G-1, F[, F])
+                zprefix = torch.cat([zprefix, zprefix + zs.cumsum(-2 - square)], dim=-2 - square)
         if zero_state and bg.shape[-3] == 1:
             pass  # the first block without an initial state reads all-zero states
-        elif mixed:
-            out = out + square_apply(ag, prefix.unflatten(-2, (f, f)))
         else:
-            qf = ag if feats is None else feats(ag)  # (..., G, blk, F')
-            if sym is not None:  # ω of the pair features
-                out = out + qf @ (prefix * omega)
-                zread = zprefix * sym.omega if sums else None
+            if mixed:
+                out = out + square_apply(ag, prefix.unflatten(-2, (f, f)))
             else:
-                out = out + qf @ prefix
-                zread = zprefix
+                qf = ag if feats is None else feats(ag)  # (..., G, blk, F')
+                out = out + qf @ (prefix if sym is None else prefix * omega)
             if sums:
-                rs = rs + (qf @ zread.unsqueeze(-1)).squeeze(-1)
+                rs = rs + _read_sums(ag, zprefix, square)
         outs.append(out)
         if sums:
             row_sums.append(rs)
@@ -361,7 +348,8 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         else:  # one fused GEMM: last + K_lastᵀ C_last
             state = _add_states(last, kf[..., -1, :, :].transpose(-1, -2), cg[..., -1, :, :])
         if sums:
-            z = zprefix[..., -1, :] + kf[..., -1, :, :].sum(-2)
+            zlast = zprefix[..., -1, :, :] if square else zprefix[..., -1, :]
+            z = zlast + _key_sums(bg[..., -1, :, :], square)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
     out = out.flatten(-3, -2)[..., :t, :]
     rs = None
@@ -374,11 +362,6 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         state = sym.expand(state)
         if initial is not None:  # Ŝ dropped the antisymmetric part of ``initial``; restore it
             state = state + (initial - initial.transpose(-2, -3)).flatten(-3, -2) / 2
-        if sums:
-            z = sym.expand(z.unsqueeze(-1)).squeeze(-1)
-            if initial_sums is not None:
-                z = z + (initial_sums - initial_sums.transpose(-1, -2)).flatten(-2) / 2
     if square:
         state = state.unflatten(-2, (f, f))
-        z = z.unflatten(-1, (f, f)) if sums else None
     return out, rs, state, z
