@@ -313,13 +313,14 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         # Across blocks: exclusive prefix P (..., G, F', E) = state + Σ of the EARLIER blocks'
         # states of the group (the last block's state only enters the carried state); the
         # key sums likewise.
-        kf = None if mixed else (bg if feats is None else feats(bg))  # (..., G, blk, F')
+        kf = None  # key features (..., G, blk, F'), built where they are used (cache locality)
         prefix = state.unsqueeze(-3)
         zprefix = z.unsqueeze(-2 - square) if sums else None  # (..., 1, F[, F])
         if bg.shape[-3] > 1:
             if mixed:
                 states = square_state(bg[..., :-1, :, :], cg[..., :-1, :, :]).flatten(-3, -2)
             else:
+                kf = bg if feats is None else feats(bg)
                 states = kf[..., :-1, :, :].transpose(-1, -2) @ cg[..., :-1, :, :]
             prefix = torch.cat([prefix, prefix + states.cumsum(-3)], dim=-3)
             if sums:
@@ -346,7 +347,9 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         if mixed:
             state = last + square_state(bg[..., -1, :, :], cg[..., -1, :, :]).flatten(-3, -2)
         else:  # one fused GEMM: last + K_lastᵀ C_last
-            state = _add_states(last, kf[..., -1, :, :].transpose(-1, -2), cg[..., -1, :, :])
+            b_last = bg[..., -1, :, :]
+            k_last = kf[..., -1, :, :] if kf is not None else feats(b_last) if feats else b_last
+            state = _add_states(last, k_last.transpose(-1, -2), cg[..., -1, :, :])
         if sums:
             zlast = zprefix[..., -1, :, :] if square else zprefix[..., -1, :]
             z = zlast + _key_sums(bg[..., -1, :, :], square)
