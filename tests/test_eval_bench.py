@@ -105,3 +105,18 @@ def test_bench_rejects_bad_options(tmp_path):
         cli.main(["bench", "--quick", "--out", str(tmp_path), "--lengths", "x"])
     with pytest.raises(ValueError, match="max_memory_gb"):
         cli.main(["bench", "--quick", "--out", str(tmp_path), "--max-memory-gb", "-1"])
+
+
+def test_malloc_top_pad_is_set_on_glibc_and_reported(tmp_path, capsys):
+    import platform
+
+    from polysketch.eval.bench import set_malloc_top_pad
+
+    assert set_malloc_top_pad(2**30) == (platform.libc_ver()[0] == "glibc")
+    with pytest.raises(ValueError, match="malloc_top_pad"):
+        set_malloc_top_pad(0)
+    args = ["bench", "--quick", "--lengths", "128", "--no-progress", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    assert "mallopt(M_TOP_PAD, 1073741824)" in capsys.readouterr().out
+    assert cli.main([*args, "--default-malloc"]) == 0
+    assert "as found (no mallopt)" in capsys.readouterr().out

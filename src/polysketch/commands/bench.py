@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .._checks import check_float, check_positive_int
 from ..eval.bench import (
+    MALLOC_TOP_PAD,
     BenchConfig,
     format_report,
     parse_lengths,
@@ -64,6 +65,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc malloc as found (default: keep 1 GiB of freed heap, M_TOP_PAD; "
+        "see polysketch.eval.bench.MALLOC_TOP_PAD)",
+    )
 
 
 def run_from_args(args) -> int:
@@ -75,6 +82,7 @@ def run_from_args(args) -> int:
         device=args.device,
         seed=args.seed,
         progress=not args.no_progress,
+        malloc_top_pad=None if args.default_malloc else MALLOC_TOP_PAD,
     )
     if args.lengths:
         kw["lengths"] = parse_lengths(args.lengths)

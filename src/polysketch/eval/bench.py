@@ -23,6 +23,7 @@ FLOPs and memory: the analytic cost model of ``polysketch.eval.bench_costs``.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import statistics
@@ -50,10 +51,37 @@ __all__ = [
     "sdpa_flops",
     "time_call",
     "run_benchmark",
+    "set_malloc_top_pad",
+    "MALLOC_TOP_PAD",
     "write_csv",
     "plot_results",
     "format_report",
 ]
+
+MALLOC_TOP_PAD = 2**30
+"""Bytes glibc ``malloc`` keeps at the top of the heap when memory is freed (``M_TOP_PAD``).
+
+The chunked scan allocates and frees several MiB of temporaries per block. With glibc's
+defaults, freed memory goes back to the OS and is page-faulted in again on the next block;
+in this project's VM that alone made causal polysketch attention 1.2-1.4x slower at
+T = 2k-16k and the F = 256 map up to 1.9x slower (SDPA, one fused kernel, is unaffected).
+``polysketch bench`` sets it for its process by default (``--default-malloc`` to measure
+without); users get the same effect with ``MALLOC_TOP_PAD_=1073741824`` in the environment
+or a caching allocator such as jemalloc or tcmalloc."""
+
+
+def set_malloc_top_pad(nbytes: int) -> bool:
+    """``mallopt(M_TOP_PAD, nbytes)`` on glibc; False where unavailable (no change then)."""
+    nbytes = check_positive_int(nbytes, "malloc_top_pad")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(-2, min(nbytes, 2**31 - 1)))  # M_TOP_PAD = -2 in <malloc.h>
+
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (128, 256, 512)
@@ -77,6 +105,7 @@ class BenchConfig:
     max_repeats: int = 50
     matmul_n: int = 4096
     threads: int | None = None  # default: os.cpu_count()
+    malloc_top_pad: int | None = MALLOC_TOP_PAD  # None: leave the C allocator as it is
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
@@ -236,6 +265,9 @@ def _run(config: BenchConfig) -> dict:
     device = torch.device(config.device)
     threads = config.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    top_pad = None
+    if config.malloc_top_pad is not None and set_malloc_top_pad(config.malloc_top_pad):
+        top_pad = config.malloc_top_pad
     bsz, h, d, e = config.batch, config.heads, config.head_dim, config.head_dim
     gen = torch.Generator().manual_seed(config.seed)
 
@@ -306,6 +338,7 @@ def _run(config: BenchConfig) -> dict:
         "rows": list(rows),
         "peak_gflops": rows.peak,
         "threads": threads,
+        "malloc_top_pad": top_pad,
         "device": str(device),
         "summary": _summarize(rows, lengths, list(maps)),
         "config": config,

@@ -77,6 +77,12 @@ def format_report(result: dict) -> str:
         f"device {result['device']}, torch.set_num_threads({result['threads']}), fp32, "
         f"B={cfg.batch} H={cfg.heads} D=E={cfg.head_dim}, chunk b={cfg.chunk_size}",
         f"measured matmul peak: {result['peak_gflops']:.1f} GFLOP/s ({cfg.matmul_n}² fp32)",
+        "C allocator: "
+        + (
+            f"glibc mallopt(M_TOP_PAD, {result['malloc_top_pad']}) (freed memory kept for reuse)"
+            if result.get("malloc_top_pad")
+            else "as found (no mallopt)"
+        ),
         "",
         f"{'section':<8} {'method':<11} {'T':>6} {'median ms':>10} {'min ms':>10} {'x SDPA':>7} "
         f"{'GFLOP/s':>8} "
