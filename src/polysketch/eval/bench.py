@@ -105,7 +105,8 @@ class BenchConfig:
     max_repeats: int = 50
     matmul_n: int = 4096
     threads: int | None = None  # default: os.cpu_count()
-    malloc_top_pad: int | None = MALLOC_TOP_PAD  # None: leave the C allocator as it is
+    # glibc M_TOP_PAD set for the whole process (not restored); None: leave malloc as it is
+    malloc_top_pad: int | None = MALLOC_TOP_PAD
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
