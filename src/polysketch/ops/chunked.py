@@ -43,6 +43,7 @@ __all__ = [
     "noncausal_multiply",
     "chunked_lt_multiply",
     "chunked_lt_multiply_with_sums",
+    "key_sums",
 ]
 
 GROUP_BYTES = 4 * 2**20
@@ -241,7 +242,7 @@ def chunked_lt_multiply_with_sums(
     )  # fmt: skip
 
 
-def _key_sums(b: torch.Tensor, square: bool) -> torch.Tensor:
+def key_sums(b: torch.Tensor, square: bool) -> torch.Tensor:
     """Σ_t B_t (..., F), or Σ_t B_tᵀB_t (..., F, F) when ``square``; B (..., blk, F)."""
     return b.transpose(-1, -2) @ b if square else b.sum(-2)
 
@@ -285,8 +286,10 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
     if square and initial is not None:
         state = state.flatten(-3, -2)  # (..., F², E)
     z = None
-    if sums:  # running key sums (..., F) or (..., F, F)
-        z = initial_sums if initial_sums is not None else a.new_zeros(*lead, *((f,) * (1 + square)))
+    zshape = (f, f) if square else (f,)  # running key sums ΣBᵀB or ΣB
+    zblocks = -1 - len(zshape)  # the block dim of per-block key sums (..., G, F[, F])
+    if sums:
+        z = initial_sums if initial_sums is not None else a.new_zeros(*lead, *zshape)
     if sym is not None:  # key features ψ; queries read ψ(A) (ω ⊙ P)
         if initial is not None:
             state = sym.compress(state)
@@ -296,6 +299,10 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         feats = self_outer
     else:
         feats = None
+
+    def features(x: torch.Tensor) -> torch.Tensor:  # Φ(x) in state form (..., blk, F')
+        return x if feats is None else feats(x)
+
     tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
     zero = a.new_zeros(())
     outs, row_sums = [], []
@@ -315,24 +322,24 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         # key sums likewise.
         kf = None  # key features (..., G, blk, F'), built where they are used (cache locality)
         prefix = state.unsqueeze(-3)
-        zprefix = z.unsqueeze(-2 - square) if sums else None  # (..., 1, F[, F])
+        zprefix = z.unsqueeze(zblocks) if sums else None  # (..., 1, F[, F])
         if bg.shape[-3] > 1:
             if mixed:
                 states = square_state(bg[..., :-1, :, :], cg[..., :-1, :, :]).flatten(-3, -2)
             else:
-                kf = bg if feats is None else feats(bg)
+                kf = features(bg)
                 states = kf[..., :-1, :, :].transpose(-1, -2) @ cg[..., :-1, :, :]
             prefix = torch.cat([prefix, prefix + states.cumsum(-3)], dim=-3)
             if sums:
-                zs = _key_sums(bg[..., :-1, :, :], square)  # (..., G-1, F[, F])
-                zprefix = torch.cat([zprefix, zprefix + zs.cumsum(-2 - square)], dim=-2 - square)
+                zs = key_sums(bg[..., :-1, :, :], square)  # (..., G-1, F[, F])
+                zprefix = torch.cat([zprefix, zprefix + zs.cumsum(zblocks)], dim=zblocks)
         if zero_state and bg.shape[-3] == 1:
             pass  # the first block without an initial state reads all-zero states
         else:
             if mixed:
                 out = out + square_apply(ag, prefix.unflatten(-2, (f, f)))
             else:
-                qf = ag if feats is None else feats(ag)  # (..., G, blk, F')
+                qf = features(ag)  # (..., G, blk, F')
                 out = out + qf @ (prefix if sym is None else prefix * omega)
             if sums:
                 rs = rs + _read_sums(ag, zprefix, square)
@@ -347,12 +354,10 @@ def _scan(a, b, c, *, chunk_size, square, initial, initial_sums, sums, final_sta
         if mixed:
             state = last + square_state(bg[..., -1, :, :], cg[..., -1, :, :]).flatten(-3, -2)
         else:  # one fused GEMM: last + K_lastᵀ C_last
-            b_last = bg[..., -1, :, :]
-            k_last = kf[..., -1, :, :] if kf is not None else feats(b_last) if feats else b_last
+            k_last = kf[..., -1, :, :] if kf is not None else features(bg[..., -1, :, :])
             state = _add_states(last, k_last.transpose(-1, -2), cg[..., -1, :, :])
         if sums:
-            zlast = zprefix[..., -1, :, :] if square else zprefix[..., -1, :]
-            z = zlast + _key_sums(bg[..., -1, :, :], square)
+            z = zprefix.select(zblocks, -1) + key_sums(bg[..., -1, :, :], square)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
     out = out.flatten(-3, -2)[..., :t, :]
     rs = None

@@ -36,6 +36,7 @@ from ._validate import (
 from .chunked import (
     chunked_lt_multiply,
     chunked_lt_multiply_with_sums,
+    key_sums,
     noncausal_multiply,
     square_state,
 )
@@ -127,7 +128,7 @@ def linear_attention(
         n0 = square_state(kp, cp) if square else kp.transpose(-1, -2) @ cp
         num0 = n0 if num0 is None else num0 + n0
         if track_den:  # Σ φk (plain) or Σ φk⊗φk = φkᵀφk (square)
-            z0 = kp.transpose(-1, -2) @ kp if square else kp.sum(-2)
+            z0 = key_sums(kp, square)
             den0 = z0 if den0 is None else den0 + z0
         k, c = k[..., pre:, :], c[..., pre:, :]
 
