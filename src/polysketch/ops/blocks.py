@@ -1,0 +1,268 @@
+"""Block lower-triangular linear attention with a backward that recomputes (Theorem 3.1).
+
+This is the ``"chunked_blocks"`` algorithm of ``linear_attention`` (the accelerator layout:
+every block at once, no per-block Python loop, no host sync, ``torch.compile`` traces it) and
+the training path of ``"chunked_scan"`` on CPU (the same math over groups of blocks under a
+byte budget). Both are one ``torch.autograd.Function`` whose backward recomputes the per-block
+scores and features instead of storing them.
+
+Notation (PolySketchFormer §3, Figure 4): blocks n of b rows, A = φq, B = φk (..., T, F),
+C̃ = [C 1] (..., T, E+1) (the ones column gives the normalizer from the same GEMMs, §4), and
+the local score inputs Â, B̂ (= A, B for linear attention; the raw q, k for mixed attention).
+
+    out_n = lt((Â_n B̂_nᵀ)^{∘p}) C̃_n + Ψq(A_n) P_n,     P_n = P_0 + Σ_{m<n} Ψ(B_m)ᵀ C̃_m
+
+with p = 2 and the pair features Ψ = ψ, Ψq = ψ·ω of ``chunked._PairFeatures`` for squared
+scores ((x·y)² = Σ ω ψ(x) ψ(y), about F²/2 per token instead of F²), p = 1 and Ψ = Ψq = id
+for plain scores. The exclusive prefix P_n is P_0 plus a cumsum of the earlier states (never a
+cumsum minus the own state, so a row never sees a later token, not even through rounding).
+
+Backward, with dÕ = [dout drow] per block (the normalizer's gradient rides in the last column):
+
+    local:   dM = lt(dÕ C̃ᵀ),  dC̃ += Mᵀ dÕ,  dG = p G^{p-1} ∘ dM (G = Â B̂ᵀ),  dÂ = dG B̂,  dB̂ = dGᵀ Â
+    read:    dΨq(A_n) = dÕ_n P_nᵀ,  dP_n = Ψq(A_n)ᵀ dÕ_n
+    states:  dS_m = R + Σ_{n>m} dP_n (R: the final state's gradient),  dΨ(B_m) = C̃_m dS_mᵀ,
+             dC̃_m += Ψ(B_m) dS_m,  dP_0 = R + Σ_n dP_n,
+
+then back through Ψ (``_PairFeatures.backward``). Stored for the backward: the inputs and the
+per-block prefixes P_n (n·F'·(E+1)); the b×b scores and the T×F' features are recomputed.
+
+Precision: operands of every GEMM are in the operand dtype (``_checks.operand_dtype``: half
+on accelerators for bf16/fp16 inputs, so tensor cores run with fp32 accumulation); scores are
+raised to p, masked and summed, states and prefixes accumulated, in the accumulation dtype
+(fp32 for half inputs, else the input dtype). Outputs are in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as nnf
+
+from .._checks import compute_dtype
+from .chunked import _PairFeatures
+
+__all__ = ["blocks_lt_multiply", "state_dim", "group_blocks_for"]
+
+
+class _StateSpace:
+    """Ψ (keys) and Ψq (queries) of the block states: identity, or pair features ψ, ψ·ω."""
+
+    def __init__(self, f: int, square: bool, like: torch.Tensor):
+        self.pairs = _PairFeatures(f, like) if square else None
+        self.dim = self.pairs.dim if square else f
+
+    def keys(self, b: torch.Tensor) -> torch.Tensor:
+        return b if self.pairs is None else self.pairs.features(b)
+
+    def queries(self, a: torch.Tensor) -> torch.Tensor:
+        return a if self.pairs is None else self.pairs.features(a) * self.pairs.omega
+
+    def keys_backward(self, b: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return grad if self.pairs is None else self.pairs.backward(b, grad)
+
+    def queries_backward(self, a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if self.pairs is None:
+            return grad
+        return self.pairs.backward(a, grad * self.pairs.omega.to(grad.dtype))
+
+
+def state_dim(f: int, square: bool) -> int:
+    """F' of the block states: F (plain) or F(⌊F/2⌋+1) pair features (square)."""
+    return f * (f // 2 + 1) if square else f
+
+
+def group_blocks_for(
+    budget_bytes: int | None, *, blocks: int, blk: int, f: int, e: int, d: int, square: bool,
+    lead: int, itemsize: int,
+) -> int:  # fmt: skip
+    """Blocks per group so the per-group temporaries fit ``budget_bytes`` (None: all blocks).
+
+    Per block: scores and their gradient (3·b²), features and their gradients (4·b·F'),
+    states, prefixes and their gradients (4·F'·(E+1)), local inputs (2·b·D), all × ``lead``.
+    """
+    if budget_bytes is None:
+        return blocks
+    fs = state_dim(f, square)
+    per = 3 * blk * blk + 4 * blk * fs + 4 * fs * (e + 1) + 2 * blk * d + 2 * blk * (e + 1)
+    return max(1, min(blocks, budget_bytes // max(1, per * lead * itemsize)))
+
+
+def _to_blocks(x: torch.Tensor, n: int, blk: int) -> torch.Tensor:
+    """(..., T, X) -> (..., n, blk, X), zero rows appended up to n·blk."""
+    pad = n * blk - x.shape[-2]
+    if pad:
+        x = nnf.pad(x, (0, 0, 0, pad))
+    return x.unflatten(-2, (n, blk))
+
+
+def _scores(la: torch.Tensor, lb: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """G = Â B̂ᵀ per block (..., G, b, b) in the accumulation dtype (operands as given)."""
+    return (la @ lb.transpose(-1, -2)).to(acc)
+
+
+def _exclusive_prefix(p0: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """P_n = P_0 + Σ_{m<n} S_m for S (..., G, F', X), P_0 (..., F', X) -> (..., G, F', X)."""
+    first = p0.unsqueeze(-3)
+    if s.shape[-3] == 1:
+        return first
+    return torch.cat([first, first + s[..., :-1, :, :].cumsum(-3)], dim=-3)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Forward and recomputing backward of the module docstring (groups of ``group`` blocks)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square):
+        acc, od = p0.dtype, a.dtype
+        t, f = a.shape[-2], a.shape[-1]
+        blk = max(1, min(chunk_size, t))
+        n = -(-t // blk)
+        local_inputs = la is not None
+        A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
+        LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
+        space = _StateSpace(f, square, a)
+        tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
+        state, outs, prefixes = p0, [], []
+        for start in range(0, n, group):
+            sl = slice(start, min(n, start + group))
+            ag, bg, cg, lag, lbg = A[..., sl, :, :], B[..., sl, :, :], C[..., sl, :, :], \
+                LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
+            g = _scores(lag, lbg, acc)
+            m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
+            out = (m.to(od) @ cg).to(acc)
+            s = (space.keys(bg).transpose(-1, -2) @ cg).to(acc)  # (..., G, F', E+1)
+            prefix = _exclusive_prefix(state, s)
+            pod = prefix.to(od)
+            out = out + (space.queries(ag) @ pod).to(acc)
+            state = prefix[..., -1, :, :] + s[..., -1, :, :]
+            outs.append(out)
+            prefixes.append(pod)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
+        pods = prefixes[0] if len(prefixes) == 1 else torch.cat(prefixes, dim=-3)
+        ctx.save_for_backward(a, b, c, la, lb, pods)
+        ctx.config = (power, blk, n, group, square, acc)
+        return out.flatten(-3, -2)[..., :t, :], state
+
+    @staticmethod
+    def backward(ctx, d_out, d_state):
+        a, b, c, la, lb, pods = ctx.saved_tensors
+        power, blk, n, group, square, acc = ctx.config
+        od, t, f = a.dtype, a.shape[-2], a.shape[-1]
+        local_inputs = la is not None
+        A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
+        LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
+        dO = _to_blocks(d_out, n, blk)
+        space = _StateSpace(f, square, a)
+        tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
+        lead = pods.shape[:-3]
+        r = (
+            d_state.to(acc)
+            if d_state is not None
+            else torch.zeros(*lead, space.dim, c.shape[-1], dtype=acc, device=a.device)
+        )
+        grads = {"a": [], "b": [], "c": [], "la": [], "lb": []}
+        starts = list(range(0, n, group))
+        for start in reversed(starts):
+            sl = slice(start, min(n, start + group))
+            ag, bg, cg, lag, lbg = A[..., sl, :, :], B[..., sl, :, :], C[..., sl, :, :], \
+                LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
+            dog = dO[..., sl, :, :].to(acc)
+            dod = dog.to(od)
+            # local: M = lt(G^p), out = M C̃
+            g = _scores(lag, lbg, acc)
+            m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
+            dm = torch.where(tril, (dod @ cg.transpose(-1, -2)).to(acc), g.new_zeros(()))
+            dc = (m.to(od).transpose(-1, -2) @ dod).to(acc)
+            dg = dm * (power * g ** (power - 1)) if power != 1 else dm
+            dgo = dg.to(od)
+            dla = (dgo @ lbg).to(acc)
+            dlb = (dgo.transpose(-1, -2) @ lag).to(acc)
+            # read of the prefixes: out += Ψq(A) P
+            pod = pods[..., sl, :, :]
+            qf = space.queries(ag)
+            dqf = (dod @ pod.transpose(-1, -2)).to(acc)  # (..., G, b, F')
+            dp = (qf.transpose(-1, -2) @ dod).to(acc)  # (..., G, F', E+1)
+            # states: dS_m = R + Σ_{n>m in group} dP_n (reverse inclusive sums, shifted)
+            later = dp.flip(-3).cumsum(-3).flip(-3)  # Σ_{n>=m}
+            ds = torch.cat([later[..., 1:, :, :], torch.zeros_like(later[..., :1, :, :])], -3)
+            ds = ds + r.unsqueeze(-3)
+            r = r + later[..., 0, :, :]
+            kf = space.keys(bg)
+            dso = ds.to(od)
+            dkf = (cg @ dso.transpose(-1, -2)).to(acc)  # (..., G, b, F')
+            dc = dc + (kf @ dso).to(acc)
+            da = space.queries_backward(ag.to(acc), dqf)
+            db = space.keys_backward(bg.to(acc), dkf)
+            if local_inputs:
+                grads["la"].append(dla)
+                grads["lb"].append(dlb)
+            else:
+                da, db = da + dla, db + dlb
+            for name, value in (("a", da), ("b", db), ("c", dc)):
+                grads[name].append(value)
+
+        def merge(parts, like):
+            if not parts:
+                return None
+            x = parts[0] if len(parts) == 1 else torch.cat(parts[::-1], dim=-3)
+            return x.flatten(-3, -2)[..., :t, :].to(like.dtype)
+
+        return (
+            merge(grads["a"], a),
+            merge(grads["b"], b),
+            merge(grads["c"], c),
+            r,
+            merge(grads["la"], la) if local_inputs else None,
+            merge(grads["lb"], lb) if local_inputs else None,
+            None, None, None, None,
+        )  # fmt: skip
+
+
+def blocks_lt_multiply(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    square: bool,
+    chunk_size: int = 256,
+    initial: torch.Tensor | None = None,
+    local_q: torch.Tensor | None = None,
+    local_k: torch.Tensor | None = None,
+    local_power: int | None = None,
+    group_bytes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal lt(s) C̃ with s_ij = local score inside blocks, Ψq(a_i)·Ψ(b_j) across blocks.
+
+    Shapes: a, b (..., T, F), c (..., T, X) (X = E+1 with the ones column in
+    ``linear_attention``), ``initial`` P_0 (..., F', X) in the accumulation dtype (F' =
+    ``state_dim(F, square)``: pair-feature space when ``square``), ``local_q``/``local_k``
+    (..., T, D) the inputs of the exact local scores (q·k)^``local_power`` (default: the
+    features themselves with power 2 if ``square`` else 1). Operands are used in the dtype
+    given (the caller casts them to ``operand_dtype``); ``initial`` sets the accumulation dtype
+    (default ``compute_dtype(a.dtype)``). ``group_bytes``: temporaries budget per group of
+    blocks (``None``: all blocks at once, the accelerator layout).
+
+    Returns out (..., T, X) and the final state P_0 + Σ_m Ψ(B_m)ᵀ C̃_m (..., F', X), both in
+    the accumulation dtype; differentiable in every tensor argument (recomputing backward).
+    """
+    if (local_q is None) != (local_k is None):
+        raise ValueError("local_q and local_k must be given together")
+    t, f, x = a.shape[-2], a.shape[-1], c.shape[-1]
+    power = local_power if local_power is not None else (2 if square else 1)
+    blk = max(1, min(chunk_size, t))
+    n = -(-t // blk)
+    lead = a.shape[:-2]
+    if initial is None:
+        acc = compute_dtype(a.dtype)
+        initial = torch.zeros(*lead, state_dim(f, square), x, dtype=acc, device=a.device)
+    numel = 1
+    for size in lead:
+        numel *= size
+    d = f if local_q is None else local_q.shape[-1]
+    group = group_blocks_for(
+        group_bytes, blocks=n, blk=blk, f=f, e=x - 1, d=d, square=square, lead=numel,
+        itemsize=initial.element_size(),
+    )  # fmt: skip
+    return _BlockAttention.apply(
+        a, b, c, initial, local_q, local_k, power, chunk_size, group, square
+    )
