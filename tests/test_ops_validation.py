@@ -30,7 +30,7 @@ BAD_DENOMINATOR = LinearAttentionState(torch.zeros(2, 3, 4), torch.zeros(2, 4))
         ((Q, K, V[:, :4]), {}, ValueError, "phi_k and v"),
         ((Q[:1], K, V), {}, ValueError, "no broadcasting"),
         ((torch.rand(2, 7, 3), K, V), {}, ValueError, "Tq=7 > Tk=5"),
-        ((Q[:, :0], K, V), {}, ValueError, "phi_q"),
+        ((Q, K[:, :0], V[:, :0]), {"causal": False}, ValueError, "phi_k must have length"),
         ((Q, K, V), {"chunk_size": 0}, ValueError, "chunk_size"),
         ((Q, K, V), {"chunk_size": 2.5}, TypeError, "chunk_size"),
         ((Q, K, V), {"algorithm": "scan"}, ValueError, "algorithm"),

@@ -39,6 +39,7 @@ def check_qkv(
 ) -> None:
     """Check q (..., Tq, F), k (..., Tk, F), v (..., Tk, E): same leading dims, dtype, device.
 
+    Tq = 0 is allowed (an empty output, as torch SDPA); keys are required when Tq >= 1.
     ``causal=True`` additionally requires ``Tq <= Tk`` (queries are aligned with the *last*
     ``Tq`` keys, see ``polysketch.ops.naive``).
     """
@@ -48,8 +49,13 @@ def check_qkv(
     check_same_dtype_device(nq, q, nk, k)
     check_same_dtype_device(nq, q, nv, v)
     for x, name in ((q, nq), (k, nk)):
-        if x.shape[-2] < 1 or x.shape[-1] < 1:
-            raise ValueError(f"{name} must have length >= 1 and dims >= 1, got {tuple(x.shape)}")
+        if x.shape[-1] < 1:
+            raise ValueError(f"{name} must have last dim >= 1, got {tuple(x.shape)}")
+    if k.shape[-2] < 1 and q.shape[-2] > 0:
+        raise ValueError(
+            f"{nk} must have length >= 1 when there are queries, got {tuple(k.shape)} for "
+            f"{nq} of shape {tuple(q.shape)}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"{nq} and {nk} must have the same last (feature) dimension, got shapes "

@@ -13,9 +13,16 @@ column). Visibility: causal
 ``key_padding_mask`` (..., Tk), True = keep (torch SDPA's boolean convention); masked keys
 never enter any state. ``stab`` is the sign-keeping clamp of ``naive.stabilize_denominator``.
 
-Precision: inputs are cast to the compute dtype (fp32 for bf16/fp16, else unchanged), so the
-states, prefix sums and denominators accumulate in fp32 under half precision; the output is
-cast back to the input dtype; returned states stay in the compute dtype.
+Precision (``_checks.operand_dtype``): on accelerators (``chunked_blocks``, ``triton``) bf16/fp16
+features and values stay half as GEMM operands (tensor cores, fp32 accumulation inside each
+GEMM) while scores are squared, and states, prefix sums and denominators accumulate, in fp32;
+on CPU and for ``cumsum`` half inputs are upcast to fp32 (faster in CPU BLAS). The output is
+cast back to the input dtype; returned states are in fp32 (the input dtype for fp32/fp64).
+fp16 has a small range: squared scores or states beyond 65504 overflow (prefer bf16).
+
+Gradients: ``chunked_blocks`` and the training path of ``chunked_scan`` are one
+``autograd.Function`` (``ops.blocks``) whose backward recomputes per-block scores and
+features; it stores the inputs and the per-block prefix states only.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import check_choice, compute_dtype
+from .._checks import check_choice, compute_dtype, operand_dtype
 from ..features.base import FeatureMap
 from ._validate import (
     check_attn_mask,
@@ -33,7 +40,9 @@ from ._validate import (
     check_offset_eps,
     check_qkv,
 )
+from .blocks import blocks_lt_multiply
 from .chunked import (
+    _PairFeatures,
     chunked_lt_multiply,
     chunked_lt_multiply_with_sums,
     key_sums,
@@ -41,13 +50,11 @@ from .chunked import (
     square_state,
 )
 from .cumsum import cumsum_lt_multiply
+from .dispatch import ALGORITHMS, resolve_algorithm, triton_backend
 from .naive import DEFAULT_EPS, stabilize_denominator
 from .recurrent import LinearAttentionState, unpack_state
 
 __all__ = ["ALGORITHMS", "linear_attention", "kernel_attention"]
-
-ALGORITHMS = ("chunked", "cumsum")
-
 
 def linear_attention(
     phi_q: torch.Tensor,
@@ -70,8 +77,8 @@ def linear_attention(
 
     Args:
         phi_q: query features (..., Tq, F). phi_k: key features (..., Tk, F). v: (..., Tk, E).
-            Same leading dims (no broadcasting), dtype and device; any Tq, Tk >= 1 (causal
-            needs Tq <= Tk: query i is at position Tk - Tq + i).
+            Same leading dims (no broadcasting), dtype and device; any Tq >= 0, Tk >= 1 (causal
+            needs Tq <= Tk: query i is at position Tk - Tq + i; Tq = 0 gives an empty output).
         causal: apply the causal mask.
         square: scores (φq·φk)² (the self-tensored features of PolySketchFormer §2.2), never
             materializing the F² features; the state is then (..., F, F, E).
@@ -84,7 +91,9 @@ def linear_attention(
         return_state: also return the ``LinearAttentionState`` after all keys.
         key_padding_mask: bool (..., Tk) broadcastable to phi_k.shape[:-1], True = keep.
             Outputs of queries at padded positions are meaningless (ignore them).
-        algorithm: causal algorithm, ``"chunked"`` (Theorem 3.1) or ``"cumsum"`` (Performer).
+        algorithm: causal algorithm: ``"chunked"`` (Theorem 3.1; picks ``"chunked_scan"`` on
+            CPU, ``"triton"`` or ``"chunked_blocks"`` on accelerators), one of those three by
+            name, or ``"cumsum"`` (Performer); see ``polysketch.ops.dispatch``.
         eps: the denominator guard (``polysketch.ops.naive``); 0 disables it.
         attn_mask: refused; an arbitrary (Tq, Tk) mask cannot be linearized.
 
@@ -103,8 +112,14 @@ def linear_attention(
     offset, eps = check_offset_eps(denominator_offset, eps)
 
     dtype = phi_q.dtype
-    cd = compute_dtype(dtype)
-    q, k, c = phi_q.to(cd), phi_k.to(cd), v.to(cd)
+    acc = compute_dtype(dtype)  # states, prefix sums and normalizers
+    tq, tk = phi_q.shape[-2], phi_k.shape[-2]
+    backend = None
+    if causal and tq > 0:
+        with_state = initial_state is not None or return_state or tq < tk
+        backend = resolve_algorithm(algorithm, phi_q, phi_k, v, square=square, with_state=with_state)
+    od = operand_dtype(dtype, phi_q.device) if backend in ("chunked_blocks", "triton") else acc
+    q, k, c = phi_q.to(od), phi_k.to(od), v.to(od)
     if key_padding_mask is not None:  # masked keys (and their possibly non-finite v) drop out
         keep = key_padding_mask.unsqueeze(-1)
         k = torch.where(keep, k, k.new_zeros(()))
@@ -118,13 +133,12 @@ def linear_attention(
         value_dim=e,
         square=square,
         with_denominator=track_den,
-        dtype=cd,
+        dtype=acc,
         device=q.device,
     )
-    tq, tk = q.shape[-2], k.shape[-2]
     if causal and tq < tk:  # keys before the first query are a prefix, visible to all queries
         pre = tk - tq
-        kp, cp = k[..., :pre, :], c[..., :pre, :]
+        kp, cp = k[..., :pre, :].to(acc), c[..., :pre, :].to(acc)
         n0 = square_state(kp, cp) if square else kp.transpose(-1, -2) @ cp
         num0 = n0 if num0 is None else num0 + n0
         if track_den:  # Σ φk (plain) or Σ φk⊗φk = φkᵀφk (square)
@@ -132,7 +146,24 @@ def linear_attention(
             den0 = z0 if den0 is None else den0 + z0
         k, c = k[..., pre:, :], c[..., pre:, :]
 
-    if causal and algorithm == "chunked":
+    if tq == 0:  # no query: an empty output (as SDPA); the keys only update the state
+        out, den = q.new_zeros(*q.shape[:-1], e, dtype=acc), q.new_zeros(q.shape[:-1], dtype=acc)
+        if not causal and tk > 0:
+            _, num = noncausal_multiply(q.to(acc), k.to(acc), c.to(acc), square=square, initial=num0)
+            num0 = num
+            if track_den:
+                z0 = key_sums(k.to(acc), square)
+                den0 = z0 if den0 is None else den0 + z0
+        num, z = _zero_state_if_none(num0, den0, q, e, square=square, dtype=acc)
+    elif backend == "triton":
+        out, den = triton_backend().triton_lt_multiply_with_sums(
+            q, k, c, square=square, chunk_size=chunk_size
+        )
+        num = z = None
+    elif backend == "chunked_blocks" or (backend == "chunked_scan" and _needs_grad(q, k, c, num0, den0)):
+        group = None if backend == "chunked_blocks" else TRAIN_GROUP_BYTES
+        out, den, num, z = _blocks(q, k, c, num0, den0, square, chunk_size, track_den, group)
+    elif backend == "chunked_scan":
         kw = dict(chunk_size=chunk_size, square=square, final_state=return_state)
         if track_den:  # the normalizer as row sums beside the product (no ones column)
             out, den, num, z = chunked_lt_multiply_with_sums(
@@ -160,6 +191,59 @@ def linear_attention(
         return out
     previous = 0 if initial_state is None else initial_state.length
     return out, LinearAttentionState(num, z, previous + tk)
+
+
+TRAIN_GROUP_BYTES = 4 * 2**20
+"""Temporaries budget per group of blocks of the ``chunked_scan`` training path on CPU (the
+recomputing ``ops.blocks`` function run over groups; its backward holds ~2x the forward's
+temporaries per block)."""
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will record an op on any of ``tensors`` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _zero_state_if_none(num, den, like, e, *, square, dtype):
+    """(N, Z) as given, or zero states of the right shapes (no key has been consumed)."""
+    if num is not None:
+        return num, den
+    lead, f = tuple(like.shape[:-2]), like.shape[-1]
+    empty = LinearAttentionState.zeros(
+        lead, f, e, square=square, dtype=dtype, device=like.device
+    )
+    return empty.numerator, empty.denominator
+
+
+def _blocks(q, k, c, num0, den0, square, chunk_size, track_den, group_bytes):
+    """``ops.blocks`` with the normalizer as a ones column; states in and out converted between
+    the ``LinearAttentionState`` layout and the pair-feature space of the blocks."""
+    f, e = q.shape[-1], c.shape[-1]
+    pairs = _PairFeatures(f, q) if square else None
+    if track_den:
+        c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+    p0 = None
+    if num0 is not None:
+        n0 = pairs.compress(num0.flatten(-3, -2)) if square else num0
+        p0 = n0
+        if track_den:
+            z0 = pairs.compress(den0.flatten(-2).unsqueeze(-1)) if square else den0.unsqueeze(-1)
+            p0 = torch.cat([n0, z0], dim=-1)
+    out, state = blocks_lt_multiply(
+        q, k, c, square=square, chunk_size=chunk_size, initial=p0, group_bytes=group_bytes
+    )
+    den = out[..., e] if track_den else None
+    num, z = (state[..., :e], state[..., e]) if track_den else (state, None)
+    if square:
+        num = pairs.expand(num)
+        if num0 is not None:  # the pair space dropped the antisymmetric part of num0: restore
+            num = num + (num0 - num0.transpose(-2, -3)).flatten(-3, -2) / 2
+        num = num.unflatten(-2, (f, f))
+        if z is not None:
+            z = pairs.expand(z.unsqueeze(-1)).squeeze(-1).unflatten(-1, (f, f))
+            if den0 is not None:
+                z = z + (den0 - den0.transpose(-1, -2)) / 2
+    return out[..., :e], den, num, z
 
 
 def kernel_attention(

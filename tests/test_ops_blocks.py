@@ -1,0 +1,225 @@
+"""chunked_blocks / chunked_scan (training path) == naive: outputs, gradients, states, dispatch,
+half-precision operands, saved-tensor memory, Tq = 0, torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from polysketch import features, kernel_attention
+from polysketch.ops import linear_attention, naive_linear_attention
+from polysketch.ops.blocks import blocks_lt_multiply, state_dim
+from polysketch.ops.dispatch import resolve_algorithm
+
+F64 = torch.float64
+LAYOUTS = ("chunked_blocks", "chunked_scan")
+
+
+def make(lead, tq, tk, f, e, *, positive, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*lead, tq, f, generator=g, dtype=F64)
+    k = torch.randn(*lead, tk, f, generator=g, dtype=F64)
+    v = torch.randn(*lead, tk, e, generator=g, dtype=F64)
+    if positive:
+        q, k = (0.5 * q).exp(), (0.5 * k).exp()
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def grads_of(fn, *inputs):
+    xs = [x.detach().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    return out.detach(), torch.autograd.grad((out * w).sum(), xs)
+
+
+def assert_close(fn, ref, *inputs, tol=1e-10):
+    out, grads = grads_of(fn, *inputs)
+    rout, rgrads = grads_of(ref, *inputs)
+    assert float((out - rout).norm()) <= tol * max(float(rout.norm()), 1.0)
+    for g, rg in zip(grads, rgrads, strict=True):
+        assert float((g - rg).norm()) <= tol * max(float(rg.norm()), 1.0)
+
+
+CASES = [(1, 1), (2, 1), (15, 16), (16, 16), (17, 16), (97, 16), (255, 256), (257, 256)]
+
+
+@pytest.mark.parametrize("algorithm", LAYOUTS)
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("t,chunk", CASES)
+def test_layouts_match_naive_outputs_and_gradients(t, chunk, square, algorithm):
+    q, k, v = make((2, 3), t, t, 5, 3, positive=not square)
+    offset = 1.0 if square else 0.0
+
+    def fn(q, k, v):
+        return linear_attention(
+            q, k, v, causal=True, square=square, chunk_size=chunk, algorithm=algorithm,
+            denominator_offset=offset,
+        )  # fmt: skip
+
+    def ref(q, k, v):
+        return naive_linear_attention(q, k, v, causal=True, square=square,
+                                      denominator_offset=offset)  # fmt: skip
+
+    assert_close(fn, ref, q, k, v)
+
+
+@pytest.mark.parametrize("algorithm", LAYOUTS)
+@pytest.mark.parametrize("square", [False, True])
+def test_layouts_with_states_padding_and_prefix_keys(square, algorithm):
+    """initial_state in, state out, key padding and Tq < Tk, against the scan without grad."""
+    q, k, v = make((2,), 40, 53, 4, 3, positive=True)
+    q0, k0, v0 = make((2,), 11, 11, 4, 3, positive=True, seed=1)
+    keep = torch.rand(2, 53, generator=torch.Generator().manual_seed(2)) > 0.3
+    _, s0 = linear_attention(q0, k0, v0, causal=True, square=square, return_state=True)
+    kw = dict(causal=True, square=square, chunk_size=8, key_padding_mask=keep, return_state=True,
+              initial_state=s0, denominator_offset=0.5)  # fmt: skip
+    with torch.no_grad():
+        ref, ref_state = linear_attention(q, k, v, algorithm="chunked_scan", **kw)
+    qg = q.clone().requires_grad_(True)
+    out, state = linear_attention(qg, k, v, algorithm=algorithm, **kw)
+    assert rel_err(out, ref) < 1e-12
+    assert rel_err(state.numerator, ref_state.numerator) < 1e-12
+    assert rel_err(state.denominator, ref_state.denominator) < 1e-12
+    assert state.length == ref_state.length == 11 + 53
+    # the gradient w.r.t. an initial state equals the one through the (autograd) cumsum path
+    num0 = s0.numerator.clone().requires_grad_(True)
+    init = type(s0)(num0, s0.denominator, s0.length)
+    kw["initial_state"] = init
+    (linear_attention(q, k, v, algorithm=algorithm, **kw)[0] ** 2).sum().backward()
+    num1 = s0.numerator.clone().requires_grad_(True)
+    kw["initial_state"] = type(s0)(num1, s0.denominator, s0.length)
+    (linear_attention(q, k, v, algorithm="cumsum", **kw)[0] ** 2).sum().backward()
+    assert rel_err(num0.grad, num1.grad) < 1e-10
+
+
+def test_gradient_of_returned_state_flows_back():
+    """A loss on the returned state differentiates through the recomputing backward too."""
+    q, k, v = make((2,), 37, 37, 4, 3, positive=True)
+    for square in (False, True):
+        def fn(k, v, algorithm, square=square):
+            _, s = linear_attention(q, k, v, causal=True, square=square, chunk_size=8,
+                                    return_state=True, algorithm=algorithm)  # fmt: skip
+            return s.numerator.sum() + 3 * s.denominator.sum()
+
+        kb, vb = (x.clone().requires_grad_(True) for x in (k, v))
+        kc, vc = (x.clone().requires_grad_(True) for x in (k, v))
+        fn(kb, vb, "chunked_blocks").backward()
+        fn(kc, vc, "cumsum").backward()
+        assert rel_err(kb.grad, kc.grad) < 1e-12 and rel_err(vb.grad, vc.grad) < 1e-12
+
+
+def test_gradcheck_blocks():
+    q, k, v = make((1,), 9, 9, 3, 2, positive=True)
+    for square in (False, True):
+        def fn(q, k, v, square=square):
+            return linear_attention(q, k, v, causal=True, square=square, chunk_size=4,
+                                    algorithm="chunked_blocks")  # fmt: skip
+
+        assert torch.autograd.gradcheck(fn, [x.requires_grad_(True) for x in (q, k, v)])
+
+
+def test_dispatch_by_device_and_forced_names():
+    q, k, v = make((1,), 8, 8, 4, 3, positive=True, dtype=torch.float32)
+    assert resolve_algorithm("chunked", q, k, v, square=True, with_state=False) == "chunked_scan"
+    meta = [x.to("meta") for x in (q, k, v)]
+    assert resolve_algorithm("chunked", *meta, square=True, with_state=False) == "chunked_blocks"
+    for name in ("chunked_scan", "chunked_blocks", "cumsum"):
+        assert resolve_algorithm(name, q, k, v, square=True, with_state=True) == name
+    with pytest.raises(ValueError, match="algorithm"):
+        resolve_algorithm("blocks", q, k, v, square=True, with_state=False)
+
+
+def naive_same_dtype(q, k, v, *, square):
+    """Causal normalized linear attention computed entirely in the inputs' (half) dtype."""
+    s = q @ k.transpose(-1, -2)
+    if square:
+        s = s * s
+    t = q.shape[-2]
+    s = torch.where(torch.ones(t, t, dtype=torch.bool).tril(), s, s.new_zeros(()))
+    return (s @ v) / (s.sum(-1, keepdim=True) + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("square", [False, True])
+def test_half_operands_within_twice_the_same_dtype_naive_error(dtype, square):
+    """The accelerator precision policy (half GEMM operands, fp32 scores/states/sums), run on
+    CPU: error vs fp64 ≤ 2x that of the naive reference computed in the same half dtype
+    (flash-attention's rule), for outputs and for gradients."""
+    g = torch.Generator().manual_seed(0)
+    t, f, e = 300, 8, 16
+    q, k = (0.6 * torch.randn(2, t, f, generator=g) for _ in range(2))
+    if not square:
+        q, k = q.exp(), k.exp()
+    v = torch.randn(2, t, e, generator=g)
+
+    def ours(q, k, v):
+        c = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+        out, _ = blocks_lt_multiply(q, k, c, square=square, chunk_size=64)
+        return out[..., :e] / (out[..., e:] + 1)
+
+    truth, truth_grads = grads_of(lambda *x: naive_same_dtype(*x, square=square),
+                                  *(x.double() for x in (q, k, v)))  # fmt: skip
+    half = [x.to(dtype) for x in (q, k, v)]
+    out, out_grads = grads_of(ours, *half)
+    naive, naive_grads = grads_of(lambda *x: naive_same_dtype(*x, square=square), *half)
+    assert out.dtype == torch.float32  # outputs accumulate in fp32
+    assert rel_err(out.double(), truth) <= 2 * rel_err(naive.double(), truth)
+    for mine, theirs, exact in zip(out_grads, naive_grads, truth_grads, strict=True):
+        assert mine.dtype == dtype
+        assert rel_err(mine.double(), exact) <= 2 * rel_err(theirs.double(), exact)
+
+
+def test_backward_stores_inputs_and_block_states_only():
+    """Activation memory: inputs + per-block prefix states, nothing of size T·b or T·F'."""
+    t, f, e, chunk = 1024, 16, 8, 64
+    q, k, v = make((2,), t, t, f, e, positive=False, dtype=torch.float32)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel() * x.element_size())
+        return x
+
+    xs = [x.requires_grad_(True) for x in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        linear_attention(*xs, causal=True, square=True, chunk_size=chunk,
+                         algorithm="chunked_blocks", normalize=False)  # fmt: skip
+    n_blocks = t // chunk
+    inputs = sum(x.numel() * 4 for x in xs)
+    states = 2 * n_blocks * state_dim(f, True) * (e + 1) * 4
+    assert sum(saved) <= 2 * inputs + states  # (a copy of v with its ones column allowed)
+    assert sum(saved) < t * state_dim(f, True) * 2 * 4  # far below one T×F' feature tensor
+
+
+@pytest.mark.parametrize("algorithm", ["chunked", "chunked_blocks", "cumsum"])
+def test_empty_query_gives_empty_output(algorithm):
+    fm = features.create("polysketch", 8, degree=2, num_features=4, nonnegative=True, seed=0)
+    q = torch.randn(2, 3, 0, 8)
+    out = kernel_attention(q, q, torch.randn(2, 3, 0, 5), fm, causal=True, algorithm=algorithm)
+    assert out.shape == (2, 3, 0, 5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, torch.randn(2, 3, 0, 5))
+    assert sdpa.shape == out.shape
+    k, v = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 5)
+    out, state = linear_attention(q[..., :4], k.exp(), v, causal=True, return_state=True,
+                                  algorithm=algorithm)  # fmt: skip
+    _, ref = linear_attention(k.exp(), k.exp(), v, causal=True, return_state=True)
+    assert out.shape == (2, 3, 0, 5) and state.length == 6
+    assert torch.allclose(state.numerator, ref.numerator, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["chunked_blocks", "chunked_scan"])
+def test_compiles_without_graph_breaks(algorithm):
+    fm = features.create("polysketch", 16, degree=2, num_features=8, nonnegative=True, seed=0)
+
+    def fn(q, k, v):
+        return kernel_attention(q, k, v, fm, causal=True, chunk_size=32, algorithm=algorithm,
+                                denominator_offset=1.0)  # fmt: skip
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = compiled(*xs)
+    out.pow(2).sum().backward()
+    ref_out, ref_grads = grads_of(fn, q, k, v)
+    _, got = grads_of(compiled, q, k, v)
+    assert torch.allclose(out.detach(), fn(q, k, v), atol=1e-5)
+    for a, b in zip(got, ref_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
