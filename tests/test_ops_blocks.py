@@ -95,6 +95,7 @@ def test_gradient_of_returned_state_flows_back():
     """A loss on the returned state differentiates through the recomputing backward too."""
     q, k, v = make((2,), 37, 37, 4, 3, positive=True)
     for square in (False, True):
+
         def fn(k, v, algorithm, square=square):
             _, s = linear_attention(q, k, v, causal=True, square=square, chunk_size=8,
                                     return_state=True, algorithm=algorithm)  # fmt: skip
@@ -110,6 +111,7 @@ def test_gradient_of_returned_state_flows_back():
 def test_gradcheck_blocks():
     q, k, v = make((1,), 9, 9, 3, 2, positive=True)
     for square in (False, True):
+
         def fn(q, k, v, square=square):
             return linear_attention(q, k, v, causal=True, square=square, chunk_size=4,
                                     algorithm="chunked_blocks")  # fmt: skip

@@ -94,6 +94,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     opt.add_argument("--amp", choices=["bf16"], default=None)
     opt.add_argument("--seed", type=int, default=tdef.seed, help="model, feature maps, data")
     opt.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    opt.add_argument(
+        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="torch.compile the model (backend: inductor when the flag is given alone)",
+    )  # fmt: skip
 
     out = p.add_argument_group("output")
     out.add_argument("--out", default="runs/train", help="folder for metrics and ckpt.pt")
@@ -150,6 +154,7 @@ def _configs_from_args(args):
         out_dir=str(args.out),
         checkpoint_interval=args.checkpoint_interval,
         device=args.device,
+        compile=args.compile,
     ).validate()
     return model_config, train_config, source
 
@@ -164,6 +169,8 @@ def _configs_from_checkpoint(args):
         tc["steps"] = args.steps
     if args.device is not None:
         tc["device"] = args.device
+    if args.compile is not None:
+        tc["compile"] = args.compile
     return model_config, TrainConfig(**tc).validate(), state["metadata"]["source"]
 
 

@@ -17,9 +17,11 @@ with ``attention`` one of (see ``polysketch.nn.presets``):
 * ``"polynomial"``: exact (Q_i·K_j)^4 (Eq. 1), ``"softmax"``: softmax(QKᵀ/√D) (quadratic).
 
 The q/k LayerNorm comes before RoPE (so RoPE(q)·RoPE(k) still depends on relative positions
-only); the public PolySketchFormer code applies it after. Precision: the attention core runs
-with autocast disabled in the compute dtype (fp32 for bf16/fp16, see ``compute_dtype``), so
-states and normalizers accumulate in fp32; projections follow autocast.
+only); the public PolySketchFormer code applies it after. Precision: projections follow
+autocast; the attention core runs with autocast disabled on q, k, v in the operand dtype
+(``_checks.operand_dtype``): on accelerators bf16/fp16 stay half, so softmax runs
+FlashAttention through SDPA and the linear ops use tensor cores while keeping states and
+normalizers in fp32; on CPU half inputs are computed in fp32.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import check_float, check_int, check_positive_int, check_tensor
+from .._checks import check_float, check_int, check_positive_int, check_tensor, operand_dtype
 from .._checks import compute_dtype as _compute_dtype
 from ..ops import linear_attention, polynomial_attention, softmax_attention
 from ..ops.mixed import mixed_attention
@@ -214,11 +216,13 @@ class KernelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out_dtype = v.dtype
         with torch.autocast(x.device.type, enabled=False):
-            cd = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-            q, k, v = q.to(cd), k.to(cd), v.to(cd)
-            if self.rotary is not None:
+            dtype = torch.promote_types(q.dtype, v.dtype)
+            od = operand_dtype(dtype, x.device)  # half stays half on accelerators
+            if self.rotary is not None:  # rotated in the accumulation dtype, then cast
                 start = 0 if cache is None else cache.length
-                q, k = self.rotary(q, start), self.rotary(k, start)
+                acc = _compute_dtype(dtype)
+                q, k = self.rotary(q.to(acc), start), self.rotary(k.to(acc), start)
+            q, k, v = q.to(od), k.to(od), v.to(od)
             o = self._attend(q, k, v, key_padding_mask, cache)
         o = rearrange(o.to(out_dtype), "b h t d -> b t (h d)")
         return self.out_proj(o)
@@ -241,8 +245,9 @@ class KernelAttention(nn.Module):
                     key_padding_mask=kpm,
                 )
             if kpm is None and (q.shape[-2] == k.shape[-2] or q.shape[-2] == 1):
-                causal = self.causal and q.shape[-2] > 1
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                if self.causal and q.shape[-2] > 1:  # a branch (a guard under compile), so
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a bool
+                return F.scaled_dot_product_attention(q, k, v)
             return softmax_attention(q, k, v, causal=self.causal, key_padding_mask=kpm)
         if self.algorithm == "linear":
             return self._linear(q, k, v, kpm, cache)

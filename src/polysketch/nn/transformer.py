@@ -161,8 +161,13 @@ class TransformerLM(nn.Module):
             raise TypeError(f"{name} must be a LongTensor of token ids")
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
-            raise ValueError(f"{name} must hold ids in [0, vocab_size={self.config.vocab_size})")
+        vocab = self.config.vocab_size
+        message = f"{name} must hold ids in [0, vocab_size={vocab})"
+        if idx.device.type != "cpu" or torch.compiler.is_compiling():
+            # no host sync, no graph break: a device-side assertion (fails at the next sync)
+            torch._assert_async(((idx >= 0) & (idx < vocab)).all(), message)
+        elif idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+            raise ValueError(message)
         return idx
 
     def forward(

@@ -56,6 +56,7 @@ from .recurrent import LinearAttentionState, unpack_state
 
 __all__ = ["ALGORITHMS", "linear_attention", "kernel_attention"]
 
+
 def linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
@@ -117,7 +118,9 @@ def linear_attention(
     backend = None
     if causal and tq > 0:
         with_state = initial_state is not None or return_state or tq < tk
-        backend = resolve_algorithm(algorithm, phi_q, phi_k, v, square=square, with_state=with_state)
+        backend = resolve_algorithm(
+            algorithm, phi_q, phi_k, v, square=square, with_state=with_state
+        )
     od = operand_dtype(dtype, phi_q.device) if backend in ("chunked_blocks", "triton") else acc
     q, k, c = phi_q.to(od), phi_k.to(od), v.to(od)
     if key_padding_mask is not None:  # masked keys (and their possibly non-finite v) drop out
@@ -149,7 +152,9 @@ def linear_attention(
     if tq == 0:  # no query: an empty output (as SDPA); the keys only update the state
         out, den = q.new_zeros(*q.shape[:-1], e, dtype=acc), q.new_zeros(q.shape[:-1], dtype=acc)
         if not causal and tk > 0:
-            _, num = noncausal_multiply(q.to(acc), k.to(acc), c.to(acc), square=square, initial=num0)
+            _, num = noncausal_multiply(
+                q.to(acc), k.to(acc), c.to(acc), square=square, initial=num0
+            )
             num0 = num
             if track_den:
                 z0 = key_sums(k.to(acc), square)
@@ -160,7 +165,9 @@ def linear_attention(
             q, k, c, square=square, chunk_size=chunk_size
         )
         num = z = None
-    elif backend == "chunked_blocks" or (backend == "chunked_scan" and _needs_grad(q, k, c, num0, den0)):
+    elif backend == "chunked_blocks" or (
+        backend == "chunked_scan" and _needs_grad(q, k, c, num0, den0)
+    ):
         group = None if backend == "chunked_blocks" else TRAIN_GROUP_BYTES
         out, den, num, z = _blocks(q, k, c, num0, den0, square, chunk_size, track_den, group)
     elif backend == "chunked_scan":
@@ -209,9 +216,7 @@ def _zero_state_if_none(num, den, like, e, *, square, dtype):
     if num is not None:
         return num, den
     lead, f = tuple(like.shape[:-2]), like.shape[-1]
-    empty = LinearAttentionState.zeros(
-        lead, f, e, square=square, dtype=dtype, device=like.device
-    )
+    empty = LinearAttentionState.zeros(lead, f, e, square=square, dtype=dtype, device=like.device)
     return empty.numerator, empty.denominator
 
 

@@ -67,7 +67,10 @@ class TrainConfig:
     """Optimization settings. ``batch_size`` is the global batch (sequences per step, over all
     ranks and micro-batches); ``block_size=None`` takes the model's. ``grad_clip=0`` disables
     clipping; ``eval_interval=None`` and ``checkpoint_interval=None`` mean only at the end;
-    ``amp="bf16"`` runs forward passes under ``torch.autocast(dtype=bfloat16)``."""
+    ``amp="bf16"`` runs forward passes under ``torch.autocast(dtype=bfloat16)``.
+    ``compile`` names a ``torch.compile`` backend for the model (``"inductor"``, the default
+    of ``polysketch train --compile``; ``"aot_eager"`` compiles without code generation);
+    ``None`` runs eagerly. Checkpoints hold the uncompiled model's state either way."""
 
     steps: int = 1000
     batch_size: int = 16
@@ -87,6 +90,7 @@ class TrainConfig:
     out_dir: str | None = None
     checkpoint_interval: int | None = None
     device: str | None = None
+    compile: str | None = None
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -107,6 +111,8 @@ class TrainConfig:
         if self.amp is not None:
             check_choice(self.amp, "amp", ["bf16"])
         check_int(self.seed, "seed", minimum=0)
+        if self.compile is not None:
+            check_choice(self.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
         self.betas = tuple(float(b) for b in self.betas)
         return self
 
@@ -273,6 +279,8 @@ def train(
         if ctx.distributed:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if cfg.compile is not None:  # after DDP, as torch recommends; state_dict from raw_model
+            model = torch.compile(model, backend=cfg.compile)
         rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
         micro = (rows.stop - rows.start) // cfg.grad_accum
         main = ctx.is_main
