@@ -41,7 +41,22 @@ import torch.nn.functional as nnf
 from .._checks import compute_dtype
 from .chunked import _PairFeatures
 
-__all__ = ["blocks_lt_multiply", "state_dim", "group_blocks_for"]
+__all__ = [
+    "blocks_lt_multiply",
+    "state_dim",
+    "group_blocks_for",
+    "CPU_GROUP_BYTES",
+    "group_bytes_for",
+]
+
+CPU_GROUP_BYTES = 4 * 2**20
+"""Temporaries budget per group of blocks on CPU (the training path of ``chunked_scan`` and
+mixed attention): groups stay in cache; on accelerators all blocks run at once."""
+
+
+def group_bytes_for(device: torch.device) -> int | None:
+    """``CPU_GROUP_BYTES`` on CPU, ``None`` (all blocks at once) on other devices."""
+    return CPU_GROUP_BYTES if device.type == "cpu" else None
 
 
 class _StateSpace:

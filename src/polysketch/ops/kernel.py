@@ -40,7 +40,7 @@ from ._validate import (
     check_offset_eps,
     check_qkv,
 )
-from .blocks import blocks_lt_multiply
+from .blocks import CPU_GROUP_BYTES, blocks_lt_multiply
 from .chunked import (
     _PairFeatures,
     chunked_lt_multiply,
@@ -168,7 +168,7 @@ def linear_attention(
     elif backend == "chunked_blocks" or (
         backend == "chunked_scan" and _needs_grad(q, k, c, num0, den0)
     ):
-        group = None if backend == "chunked_blocks" else TRAIN_GROUP_BYTES
+        group = None if backend == "chunked_blocks" else CPU_GROUP_BYTES
         out, den, num, z = _blocks(q, k, c, num0, den0, square, chunk_size, track_den, group)
     elif backend == "chunked_scan":
         kw = dict(chunk_size=chunk_size, square=square, final_state=return_state)
@@ -198,12 +198,6 @@ def linear_attention(
         return out
     previous = 0 if initial_state is None else initial_state.length
     return out, LinearAttentionState(num, z, previous + tk)
-
-
-TRAIN_GROUP_BYTES = 4 * 2**20
-"""Temporaries budget per group of blocks of the ``chunked_scan`` training path on CPU (the
-recomputing ``ops.blocks`` function run over groups; its backward holds ~2x the forward's
-temporaries per block)."""
 
 
 def _needs_grad(*tensors) -> bool:

@@ -36,8 +36,10 @@ from .._checks import (
     check_same_dtype_device,
     check_tensor,
     compute_dtype,
+    operand_dtype,
 )
 from ._validate import check_bool, check_offset_eps
+from .blocks import blocks_lt_multiply, group_bytes_for
 from .chunked import apply_state, square_state
 from .naive import DEFAULT_EPS, stabilize_denominator
 
@@ -137,13 +139,26 @@ def mixed_attention(
             replaced by sign(den)·max(|den|, eps); ``eps=0`` disables it.
 
     Returns:
-        (..., T, E), dtype of ``q``. Half-precision inputs are computed (states, sums and
-        normaliser included) in fp32 and cast back.
+        (..., T, E), dtype of ``q``. ``local="polynomial"`` (the psf_mixed preset) runs the
+        recomputing block function of ``polysketch.ops.blocks`` (Ψ pair features when
+        ``square``; all blocks at once on accelerators, groups on CPU) under its precision
+        policy (half GEMM operands on accelerators; scores, states and normaliser in fp32);
+        ``"relu"`` runs the all-blocks code below in fp32.
     """
     chunk_size, local, degree, offset, eps, scale = _validate(
         q, k, v, phi_q, phi_k, chunk_size, local, degree, square, denominator_offset, eps, scale
     )
     out_dtype = q.dtype
+    if local == "polynomial":  # the recomputing block function (ops.blocks), any device
+        od = operand_dtype(q.dtype, q.device)
+        q, k, v, phi_q, phi_k = (t.to(od) for t in (q, k, v, phi_q, phi_k))
+        num, _ = blocks_lt_multiply(
+            phi_q, phi_k, _with_ones(v), square=square, chunk_size=chunk_size,
+            local_q=q * scale if scale != 1.0 else q, local_k=k, local_power=degree,
+            group_bytes=group_bytes_for(q.device),
+        )  # fmt: skip
+        out = num[..., :-1] / stabilize_denominator(num[..., -1:] + offset, eps)
+        return out.to(out_dtype)
     dt = compute_dtype(q.dtype)
     q, k, v, phi_q, phi_k = (t.to(dt) for t in (q, k, v, phi_q, phi_k))
     T = q.shape[-2]
