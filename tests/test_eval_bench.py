@@ -10,9 +10,11 @@ from polysketch import cli
 from polysketch.eval.bench import chunked_flops, parse_lengths, sdpa_flops
 
 
-def test_quick_bench_writes_csv_and_png(tmp_path, capsys):
+def test_quick_bench_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     threads = torch.get_num_threads()
-    # 0.002 GB: the 4·4·512² B = 4 MiB score matrix of T = 512 is over budget, T <= 256 is not.
+    # SDPA sizes are skipped only where SDPA would materialize T² scores (its math backend,
+    # forced here): 0.002 GB: the 4·4·512² B = 4 MiB matrix of T = 512 is over, T <= 256 not.
+    monkeypatch.setattr("polysketch.eval.bench._sdpa_uses_math", lambda q: True)
     argv = ["bench", "--quick", "--out", str(tmp_path), "--no-progress", "--max-memory-gb", "0.002"]
     assert cli.main(argv) == 0
     assert torch.get_num_threads() == threads  # restored after the run
@@ -33,6 +35,9 @@ def test_quick_bench_writes_csv_and_png(tmp_path, capsys):
         assert r["status"] == "ok", r
         ms = float(r["median_ms"])
         assert math.isfinite(ms) and ms > 0
+        if r["method"] == "psf_mixed":  # timed, but no analytic FLOP/memory model for it
+            assert r["section"] == "forward" and r["gflops_per_s"] == ""
+            continue
         assert float(r["mem_mib"]) > 0
         if r["section"] == "forward":
             assert float(r["gflops_per_s"]) > 0
@@ -120,3 +125,35 @@ def test_malloc_top_pad_is_set_on_glibc_and_reported(tmp_path, capsys):
     assert "mallopt(M_TOP_PAD, 1073741824)" in capsys.readouterr().out
     assert cli.main([*args, "--default-malloc"]) == 0
     assert "as found (no mallopt)" in capsys.readouterr().out
+
+
+def test_quick_bench_train_mode_bf16_times_forward_and_backward(tmp_path, capsys):
+    argv = ["bench", "--quick", "--mode", "train", "--dtype", "bf16", "--lengths", "96,200",
+            "--methods", "sdpa,polysketch,psf_mixed", "--out", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "forward + backward" in printed and "bf16" in printed
+    with (tmp_path / "results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert {(r["section"], r["method"], r["T"]) for r in rows} == {
+        ("train", m, t) for m in ("sdpa", "polysketch", "psf_mixed") for t in ("96", "200")
+    }  # no decode rows in train mode
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
+    assert all(float(r["speedup_vs_sdpa"]) > 0 for r in rows if r["method"] != "sdpa")
+    with pytest.raises(ValueError, match="methods"):
+        cli.main(["bench", "--quick", "--methods", "flash", "--out", str(tmp_path)])
+
+
+def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
+    argv = ["bench", "--model", "--quick", "--lengths", "64", "--out", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    with (tmp_path / "model_results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["attention"] for r in rows] == ["softmax", "psf_random", "psf_mixed"]
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert float(rows[0]["x_softmax"]) == 1.0
+    png = (tmp_path / "model_bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

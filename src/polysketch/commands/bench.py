@@ -1,11 +1,13 @@
-"""``polysketch bench``: causal attention speed vs torch SDPA (forward and decode).
+"""``polysketch bench``: causal attention speed vs torch SDPA (forward, training, decode).
 
 Prints, for T = 1k … 64k on this machine, the median time of causal SDPA, of PolySketchFormer
 attention (degree-2 sketch, r = 32, self-tensored: degree 4) and of a plain F = 256 feature map
 (positive random features, m = 128), their speed-up over SDPA, achieved GFLOP/s against a
 matmul peak measured in the same run, peak memory, the per-token decode time vs position and
-the crossover length. Writes ``results.csv`` and ``bench.png`` into ``--out``. See
-``polysketch.eval.bench`` for the FLOP and memory formulas.
+the crossover length. ``--mode train`` times forward + backward instead, ``--dtype bf16``
+feeds half inputs (FlashAttention on CUDA), ``--device cuda`` measures peak memory, and
+``--model`` times whole TransformerLM training steps. Writes ``results.csv`` and
+``bench.png`` into ``--out``. See ``polysketch.eval.bench`` for the FLOP and memory formulas.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from pathlib import Path
 
 from .._checks import check_float, check_positive_int
 from ..eval.bench import (
+    DTYPES,
     MALLOC_TOP_PAD,
+    METHODS,
+    MODES,
     BenchConfig,
     format_report,
     parse_lengths,
@@ -24,6 +29,7 @@ from ..eval.bench import (
     run_benchmark,
     write_csv,
 )
+from ..eval.bench_model import run_model_bench
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
 
@@ -56,7 +62,8 @@ def add_arguments(parser) -> None:
         "--max-memory-gb",
         type=float,
         default=8.0,
-        help="skip SDPA sizes whose B·H·T² fp32 score matrix exceeds this",
+        help="skip SDPA sizes whose B·H·T² fp32 score matrix exceeds this (only where SDPA "
+        "would use its math backend; FlashAttention/memory-efficient kernels never build it)",
     )
     parser.add_argument("--out", default="bench-results", help="folder for CSV and PNG")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -64,6 +71,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--min-time", type=float, default=None, help="seconds per measurement")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mode", choices=MODES, default="fwd",
+        help="fwd: forward (inference) + decode; train: forward + backward",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="input dtype")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}"
+    )
+    parser.add_argument(
+        "--model", action="store_true",
+        help="TransformerLM training tokens/s (softmax vs psf_random vs psf_mixed) instead; "
+        "see polysketch.eval.bench_model",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="with --model: torch.compile the models (backend inductor when given alone)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
         "--default-malloc",
@@ -75,7 +99,12 @@ def add_arguments(parser) -> None:
 
 def run_from_args(args) -> int:
     """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png."""
+    if args.model:
+        return run_model_bench(args)
     kw = dict(
+        mode=args.mode,
+        dtype=args.dtype,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         max_memory_gb=args.max_memory_gb,
         threads=args.threads,
         chunk_size=check_positive_int(args.chunk_size, "chunk_size"),

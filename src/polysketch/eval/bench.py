@@ -36,9 +36,9 @@ from functools import partial
 import torch
 import torch.nn.functional as nnf
 
-from .._checks import check_float, check_positive_int
+from .._checks import check_choice, check_float, check_positive_int
 from ..features import create
-from ..ops import linear_attention, linear_attention_step
+from ..ops import linear_attention, linear_attention_step, mixed_attention
 from .bench_costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
 from .bench_report import CSV_FIELDS, format_report, plot_results, times_of, write_csv
 
@@ -84,6 +84,11 @@ def set_malloc_top_pad(nbytes: int) -> bool:
 
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+METHODS = ("sdpa", "polysketch", "positive", "psf_mixed")
+"""``sdpa`` (FlashAttention on CUDA for half inputs), ``polysketch`` (psf_random's attention),
+``positive`` (FAVOR+, F = 256), ``psf_mixed`` (exact (q·k)^4 inside blocks, the sketch before)."""
+MODES = ("fwd", "train")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUICK_LENGTHS = (128, 256, 512)
 
 
@@ -110,6 +115,9 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
+    mode: str = "fwd"  # "fwd": forward (inference mode) + decode; "train": forward + backward
+    dtype: str = "fp32"  # "fp32" | "bf16" | "fp16" inputs (the ops' precision policy applies)
+    methods: Sequence[str] = METHODS
 
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
@@ -190,6 +198,19 @@ def _ours_forward(fmap, q, k, v, chunk_size):
     )
 
 
+def _mixed_forward(fmap, q, k, v, chunk_size):
+    return mixed_attention(
+        q, k, v, fmap.query(q), fmap.key(k), chunk_size=chunk_size, local="polynomial",
+        degree=4, square=fmap.square, denominator_offset=1.0,
+    )  # fmt: skip
+
+
+def _train_step(forward, q, k, v, grad):
+    """One forward + backward of ``forward(q, k, v)`` (leaf inputs; their grads dropped)."""
+    forward(q, k, v).backward(grad)
+    q.grad = k.grad = v.grad = None
+
+
 def _sdpa_decode(q1, k_cache, v_cache):
     return nnf.scaled_dot_product_attention(q1, k_cache, v_cache)
 
@@ -246,10 +267,17 @@ def run_benchmark(config: BenchConfig) -> dict:
     """Run every measurement of ``config``; returns rows, peak and summary (for CSV/plots).
 
     Sets ``torch.set_num_threads(config.threads or os.cpu_count())`` for the run and restores
-    the previous thread count afterwards. Runs under ``torch.inference_mode``.
+    the previous thread count afterwards. ``mode="fwd"`` runs under ``torch.inference_mode``;
+    ``mode="train"`` times forward + backward (gradients of q, k, v and the maps' inputs).
     """
+    check_choice(config.mode, "mode", MODES)
+    check_choice(config.dtype, "dtype", list(DTYPES))
+    for name in config.methods:
+        check_choice(name, "methods", METHODS)
     previous_threads = torch.get_num_threads()
     try:
+        if config.mode == "train":
+            return _run(config)
         with torch.inference_mode():
             return _run(config)
     finally:
@@ -282,7 +310,13 @@ def _run(config: BenchConfig) -> dict:
         min_repeats=config.min_repeats,
         max_repeats=config.max_repeats,
     )
-    steps = 1 + (len(lengths) + len(positions)) * (1 + len(maps))
+    train = config.mode == "train"
+    dtype = DTYPES[config.dtype]
+    section = "train" if train else "forward"
+    if train:
+        positions = ()  # decoding is inference: measured in mode "fwd"
+    ours = [m for m in config.methods if m != "sdpa"]
+    steps = 1 + len(lengths) * len(config.methods) + len(positions) * (1 + len(maps))
     bar = tqdm(total=steps, desc="bench", disable=not config.progress, file=sys.stderr)
 
     n = config.matmul_n
@@ -290,27 +324,56 @@ def _run(config: BenchConfig) -> dict:
     rows = _Rows(peak=2 * n**3 / t_mm / 1e9)
     bar.update()
 
+    forwards = {
+        "sdpa": _sdpa_forward,
+        "polysketch": partial(_ours_forward, maps["polysketch"]),
+        "positive": partial(_ours_forward, maps["positive"]),
+        "psf_mixed": partial(_mixed_forward, maps["polysketch"]),
+    }
     for t in lengths:
-        bar.set_postfix_str(f"forward T={t}")
-        q, k, v = randn(bsz, h, t, d), randn(bsz, h, t, d), randn(bsz, h, t, e)
-        if bsz * h * t * t * 4 > budget:
-            rows.add("forward", "sdpa", t, "skipped (memory)")
-        else:
-            fn = partial(_sdpa_forward, q, k, v)
+        bar.set_postfix_str(f"{section} T={t}")
+        # LayerNorm'd q, k (as the models feed them), in the benchmarked dtype
+        q, k = (nnf.layer_norm(randn(bsz, h, t, d), (d,)).to(dtype) for _ in range(2))
+        v = randn(bsz, h, t, e).to(dtype)
+        grad = randn(bsz, h, t, e).to(dtype) if train else None
+        if train:
+            q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        for method in config.methods:
+            forward = (
+                forwards[method]
+                if method == "sdpa"
+                else partial(forwards[method], chunk_size=chunk)
+            )
+            fn = (
+                partial(_train_step, forward, q, k, v, grad) if train else partial(forward, q, k, v)
+            )
+            fmap = (
+                None
+                if method in ("sdpa",)
+                else maps["polysketch" if method == "psf_mixed" else method]
+            )
+            if method == "sdpa" and bsz * h * t * t * 4 > budget and _sdpa_uses_math(q):
+                rows.add(section, method, t, "skipped (memory)")
+                bar.update()
+                continue
             measured = _peak_memory(fn, device)
-            est = bsz * h * sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
-            mem = (measured, "cuda") if measured is not None else (est, "analytic")
-            flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
-            rows.add("forward", "sdpa", t, "ok", time_call(fn, **timer), flop, mem)
-        bar.update()
-        for name, fmap in maps.items():
-            fn = partial(_ours_forward, fmap, q, k, v, chunk)
-            f, sq = fmap.feature_dim, fmap.square
-            measured = _peak_memory(fn, device)
-            est = chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
-            mem = (measured, "cuda") if measured is not None else (est, "analytic")
-            flop = chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
-            rows.add("forward", name, t, "ok", time_call(fn, **timer), bsz * h * flop, mem, fmap)
+            mem, flop = None, None
+            if measured is not None:
+                mem = (measured, "cuda")
+            if not train and method == "sdpa":
+                est = bsz * h * sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
+                mem = mem or (est, "analytic")
+                flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
+            elif not train and method in ("polysketch", "positive"):
+                f, sq = fmap.feature_dim, fmap.square
+                est = chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
+                mem = mem or (est, "analytic")
+                flop = (
+                    bsz
+                    * h
+                    * chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
+                )
+            rows.add(section, method, t, "ok", time_call(fn, **timer), flop, mem, fmap)
             bar.update()
 
     for p in positions:
@@ -341,19 +404,19 @@ def _run(config: BenchConfig) -> dict:
         "threads": threads,
         "malloc_top_pad": top_pad,
         "device": str(device),
-        "summary": _summarize(rows, lengths, list(maps)),
+        "summary": _summarize(rows, lengths, ours, section),
         "config": config,
     }
 
 
-def _summarize(rows, lengths, ours: list[str]) -> dict:
+def _summarize(rows, lengths, ours: list[str], section: str = "forward") -> dict:
     """Speed-ups vs SDPA, crossover lengths, growth exponents and decode flatness."""
-    sdpa = times_of(rows, "forward", "sdpa")
+    sdpa = times_of(rows, section, "sdpa")
     out: dict = {}
     for name in ours:
-        mine = times_of(rows, "forward", name)
+        mine = times_of(rows, section, name)
         for r in rows:
-            if r["section"] == "forward" and r["method"] == name and r["T"] in sdpa:
+            if r["section"] == section and r["method"] == name and r["T"] in sdpa:
                 r["speedup_vs_sdpa"] = sdpa[r["T"]] / r["median_ms"]
         faster = [t for t in lengths if t in sdpa and t in mine and mine[t] < sdpa[t]]
         big = [t for t in lengths if t >= 4096 and t in mine]

@@ -39,10 +39,11 @@ def plot_results(rows: Sequence[dict], path) -> Path:
     """Log-log time vs T (forward) and time vs position (decode), one line per method."""
     from .plots import log_axes, save_png, subplots
 
-    fig, axes = subplots(2, ncols=2)
-    for ax, section, xlabel in zip(
-        axes, ("forward", "decode"), ("sequence length T", "decode position P"), strict=True
-    ):
+    sections = [x for x in ("forward", "train", "decode") if any(r["section"] == x for r in rows)]
+    labels = {"decode": "decode position P"}
+    fig, axes = subplots(max(1, len(sections)), ncols=max(1, len(sections)))
+    for ax, section in zip(axes, sections, strict=False):
+        xlabel = labels.get(section, "sequence length T")
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted(times_of(rows, section, method).items())
             if pts:
@@ -51,7 +52,8 @@ def plot_results(rows: Sequence[dict], path) -> Path:
         log_axes(ax)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("median time (ms)")
-        ax.set_title(f"causal {section}" if section == "forward" else "decode step")
+        titles = {"forward": "causal forward", "train": "causal forward + backward"}
+        ax.set_title(titles.get(section, "decode step"))
         ax.legend(fontsize=8)
     return save_png(fig, path)
 
@@ -74,7 +76,10 @@ def format_report(result: dict) -> str:
     """Human-readable tables and the summary of ``run_benchmark``'s result."""
     cfg = result["config"]
     lines = [
-        f"device {result['device']}, torch.set_num_threads({result['threads']}), fp32, "
+        f"device {result['device']}, torch.set_num_threads({result['threads']}), "
+        f"mode {getattr(cfg, 'mode', 'fwd')} "
+        f"({'forward + backward' if getattr(cfg, 'mode', 'fwd') == 'train' else 'forward'}), "
+        f"{getattr(cfg, 'dtype', 'fp32')} inputs (q, k LayerNorm'd), "
         f"B={cfg.batch} H={cfg.heads} D=E={cfg.head_dim}, chunk b={cfg.chunk_size}",
         f"measured matmul peak: {result['peak_gflops']:.1f} GFLOP/s ({cfg.matmul_n}² fp32)",
         "C allocator: "
