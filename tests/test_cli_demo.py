@@ -211,3 +211,10 @@ def test_report_markdown_and_html_hold_the_same_content(tmp_path):
     assert format_table(["x"], [[2.0]]).splitlines() == ["x", "-", "2"]
     with pytest.raises(ValueError, match="rows"):
         rep.table(["a", "b"], [[1]])
+
+
+def test_demo_refuses_a_bad_device_naming_it(tmp_path):
+    from polysketch.cli import main
+
+    with pytest.raises(ValueError, match="device"):
+        main(["demo", "--quick", "--device", "tpu9", "--out", str(tmp_path)])

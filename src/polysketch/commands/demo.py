@@ -35,9 +35,16 @@ import torch
 
 from .._checks import check_positive_int
 from ..eval.demo_fidelity import MAX_FEATURE_DIM, NOT_CALIBRATED, section_fidelity  # noqa: F401
-from ..eval.demo_sections import FULL, QUICK, DemoSizes, section_quality, section_speed
+from ..eval.demo_sections import (
+    CUDA_FULL,
+    FULL,
+    QUICK,
+    DemoSizes,
+    section_quality,
+    section_speed,
+)
 
-__all__ = ["DemoSizes", "FULL", "QUICK", "SECTIONS", "add_parser", "run"]
+__all__ = ["DemoSizes", "FULL", "CUDA_FULL", "QUICK", "SECTIONS", "add_parser", "run"]
 
 # The section runners live in polysketch.eval (demo_sections, demo_fidelity); this module parses
 # arguments and runs them. MAX_FEATURE_DIM and NOT_CALIBRATED are re-exported for old imports.
@@ -64,6 +71,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="one-minute version (tiny sizes)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default=None,
+        help="torch device (default: cuda when available, else cpu); on CUDA the model, "
+        "contexts and lengths grow and training speed is timed against FlashAttention",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.set_defaults(func=run)
     return parser
@@ -88,7 +100,15 @@ SECTION_FUNCS = {"quality": section_quality, "fidelity": section_fidelity, "spee
 
 def run(args) -> int:
     """Run the chosen sections and write the report; 1 if a section failed (reported)."""
-    sizes = QUICK if args.quick else FULL
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        cuda = torch.device(args.device).type == "cuda"
+    except RuntimeError as err:
+        raise ValueError(
+            f"device must be a torch device such as cpu or cuda, got {args.device!r}"
+        ) from err
+    sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
     if args.steps is not None:
         sizes = replace(sizes, steps=check_positive_int(args.steps, "steps"))
     threads = torch.get_num_threads()
@@ -106,7 +126,9 @@ def _run(args, sizes: DemoSizes) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    report = Report("polysketch demo report" + (" (quick)" if sizes is QUICK else ""))
+    report = Report(
+        "polysketch demo report" + (" (quick)" if sizes is QUICK else "") + f" on {args.device}"
+    )
     report.paragraph(
         "polysketch replaces the T×T softmax attention matrix by kernel feature maps, "
         "s(q, k) ≈ φq(q)·φk(k), so causal attention costs O(T) and decoding keeps a "

@@ -54,7 +54,7 @@ def _captured(model, args, sizes: DemoSizes, state: dict, seed: int):
     idx = corpus.val[: n_seq * t].reshape(n_seq, t) if n_seq * t <= corpus.val.numel() else None
     if idx is None:
         idx = corpus.train[: sizes.capture_batch * t].reshape(-1, t)
-    captured = capture_qk(model, idx)
+    captured = capture_qk(model, idx.to(next(model.parameters()).device))
     test, fit = split_tokens(idx.numel(), 2, seed=seed)
     q, k = head_samples(captured, num=sizes.num, seed=seed, positions=test)
     qf, kf = head_samples(captured, num=sizes.num, seed=seed + 1, positions=fit)

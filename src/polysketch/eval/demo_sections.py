@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +58,15 @@ FULL = DemoSizes(
     fit_steps=200, lengths=(256, 512, 1024, 2048, 4096, 8192), min_time=0.2, max_repeats=10,
     matmul_n=2048,
 )  # fmt: skip
+CUDA_FULL = DemoSizes(
+    n_layer=6, n_head=6, n_embd=384, block_size=1024, batch_size=16, steps=600,
+    eval_interval=100, eval_batches=8, lr=1e-3, warmup_steps=60, max_bytes=None,
+    sample_tokens=400, capture_batch=8, num=256, feature_dims=(16, 32, 64, 128), trials=3,
+    fit_steps=200, lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), min_time=0.2,
+    max_repeats=20, matmul_n=4096,
+)  # fmt: skip
+"""On a CUDA device: the paper's head dim 64 (6 × 384, 6 heads) at context 1024 trained under
+bf16 autocast, and attention timed to 64k (forward, decode, and forward + backward)."""
 QUICK = DemoSizes(
     n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=8, eval_interval=4,
     eval_batches=2, lr=3e-3, warmup_steps=2, max_bytes=200_000, sample_tokens=30,
@@ -103,7 +112,8 @@ def section_quality(args, sizes: DemoSizes, report, state: dict) -> dict:
             warmup_steps=min(sizes.warmup_steps, sizes.steps // 4),
             eval_interval=max(1, min(sizes.eval_interval, sizes.steps)),
             eval_batches=sizes.eval_batches, log_interval=max(1, sizes.steps // 20),
-            seed=args.seed, out_dir=str(out / "runs" / attention),
+            seed=args.seed, out_dir=str(out / "runs" / attention), device=args.device,
+            amp="bf16" if torch.device(args.device).type == "cuda" else None,
         )  # fmt: skip
         print(f"[quality] training {attention}: {sizes.steps} steps", flush=True)
         start = time.perf_counter()
@@ -190,13 +200,20 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
 
     out = Path(args.out)
     lengths = parse_lengths(args.lengths) if args.lengths else sizes.lengths
+    cuda = torch.device(args.device).type == "cuda"
     config = BenchConfig(
         lengths=lengths, decode_positions=lengths, min_time=sizes.min_time, min_repeats=1,
         max_repeats=sizes.max_repeats, matmul_n=sizes.matmul_n, threads=args.threads,
-        seed=args.seed, progress=not args.no_progress,
+        seed=args.seed, progress=not args.no_progress, device=args.device,
+        dtype="bf16" if cuda else "fp32",
     )  # fmt: skip
     print(f"[speed] causal attention and decoding at T in {list(lengths)}", flush=True)
     result = run_benchmark(config)
+    training = None
+    if cuda:  # training speed (forward + backward) against FlashAttention, bf16
+        print(f"[speed] forward + backward at T in {list(lengths)}", flush=True)
+        training = run_benchmark(replace(config, mode="train"))
+        write_csv(training["rows"], out / "speed_train.csv")
     write_csv(result["rows"], out / "speed.csv")
     png = plot_results(result["rows"], out / "speed.png")
     rows = result["rows"]
@@ -218,7 +235,8 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
     cfg = result["config"]
     report.heading("3. Speed and memory: causal attention and decoding")
     report.paragraph(
-        f"Median wall time on {result['device']} with {result['threads']} threads, fp32, "
+        f"Median wall time on {result['device']} with {result['threads']} threads, "
+        f"{cfg.dtype} inputs, "
         f"B={cfg.batch}, H={cfg.heads}, D=E={cfg.head_dim}, block b={cfg.chunk_size}; "
         f"measured matmul peak {result['peak_gflops']:.1f} GFLOP/s. `sdpa` is "
         "torch.nn.functional.scaled_dot_product_attention (exact softmax, O(T²)); "
@@ -243,6 +261,23 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
     report.table(*tables["decode"])
     report.heading("Decoding memory per sequence: KV cache vs constant state (MiB)", level=3)
     report.table(*tables["memory"])
+    if training is not None:
+        trows = training["rows"]
+        found = {(r["method"], r["T"]): r for r in trows}
+        body = [
+            [t] + [found[(m, t)]["median_ms"] if found.get((m, t), {}).get("status") == "ok"
+                   else None for m in methods]
+            for t in sorted({t for _, t in found})
+        ]  # fmt: skip
+        report.heading("Training step: forward + backward time (bf16)", level=3)
+        report.paragraph(
+            "`sdpa` is FlashAttention here (bf16 inputs on CUDA); our attentions run the "
+            "`chunked` dispatch (fused Triton kernels when available, else the all-blocks "
+            "layout) with the recomputing backward. Peak memory per call: `speed_train.csv`."
+        )
+        report.table(["T"] + [f"{m} ms" for m in methods], body)
+        tables["train"] = (["T"] + [f"{m} ms" for m in methods], body)
+        print(format_report(training), flush=True)
     report.image(png.name, "time vs sequence length (left) and decode step time vs position")
     report.paragraph("Full measurements (GFLOP/s, memory estimates): `speed.csv`.")
     print(format_report(result), flush=True)
