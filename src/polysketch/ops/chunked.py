@@ -105,25 +105,20 @@ class _PairFeatures:
     def backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The vector-Jacobian product of ``features`` at x: grad (..., T, F') -> (..., T, F).
 
-        ψ_(a,d) = x_a x_(a+d), so dx_c = Σ_d g_(c,d) x_(c+d) + Σ_d g_(c-d,d) x_(c-d) (indices
-        mod F): one elementwise product with the same windows and one gather (no scatter, no
-        autograd inside a backward: ``torch.compile`` traces it).
+        ψ_(a,d) = x_a ext_(a+d) with ext = [x, x_(0..⌊F/2⌋-1)], so dx_a gets Σ_d g_(a,d)
+        ext_(a+d) (the same windows as ``features``) and d ext_i = Σ_(a+d=i) g_(a,d) x_a (the
+        transpose of the window view: ``unfold_backward``), whose tail folds back onto
+        x_(0..⌊F/2⌋-1). No autograd inside a backward, no gather: ``torch.compile`` traces it.
         """
         width = self.half + 1
         g = grad.unflatten(-1, (self.f, width))  # (..., T, F, W)
         ext = torch.cat([x, x[..., : self.half]], dim=-1)
         first = (g * ext.unfold(-1, width, 1)).sum(-1)
-        h = (g * x.unsqueeze(-1)).flatten(-2)  # h_(a,d) = g_(a,d) x_a goes to c = a + d
-        second = h[..., self._gather_back].sum(-1)  # Σ_d h_(c-d, d)
+        dext = torch.ops.aten.unfold_backward(
+            g * x.unsqueeze(-1), list(ext.shape), ext.dim() - 1, width, 1
+        )
+        second = dext[..., : self.f] + nnf.pad(dext[..., self.f :], (0, self.f - self.half))
         return first + second
-
-    @property
-    def _gather_back(self) -> torch.Tensor:
-        """(F, W) flat indices (c - d mod F)·W + d of the second term of ``backward``."""
-        width = self.half + 1
-        c = torch.arange(self.f, device=self.flat.device).unsqueeze(-1)
-        d = torch.arange(width, device=self.flat.device)
-        return ((c - d) % self.f) * width + d
 
     def compress(self, s: torch.Tensor) -> torch.Tensor:
         """Ŝ from a flattened state (..., F², ·) -> (..., F', ·)."""
