@@ -1,12 +1,13 @@
 # make demo  - set up the virtualenv and run the main job
 # make test  - set up the virtualenv and run the default test suite
+# make test-gpu - the CUDA-only checks (tests/gpu) on a machine with a CUDA torch
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow test-gpu lint venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +26,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow || test $$? -eq 5  # 5: no slow test selected
+
+# CUDA-only checks (tests/gpu, skipped elsewhere) with a Python whose torch has CUDA: the
+# .venv pins the CPU wheel, so this uses $(GPU_PYTHON) on the source tree (needs pytest).
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
