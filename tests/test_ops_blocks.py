@@ -9,19 +9,10 @@ from polysketch import features, kernel_attention
 from polysketch.ops import linear_attention, naive_linear_attention
 from polysketch.ops.blocks import blocks_lt_multiply, state_dim
 from polysketch.ops.dispatch import resolve_algorithm
+from test_ops_linear import make
 
 F64 = torch.float64
 LAYOUTS = ("chunked_blocks", "chunked_scan")
-
-
-def make(lead, tq, tk, f, e, *, positive, seed=0, dtype=F64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(*lead, tq, f, generator=g, dtype=F64)
-    k = torch.randn(*lead, tk, f, generator=g, dtype=F64)
-    v = torch.randn(*lead, tk, e, generator=g, dtype=F64)
-    if positive:
-        q, k = (0.5 * q).exp(), (0.5 * k).exp()
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def grads_of(fn, *inputs):
