@@ -42,6 +42,7 @@ from .._checks import compute_dtype
 from .chunked import _PairFeatures
 
 __all__ = [
+    "ACCELERATOR_GROUP_BYTES",
     "blocks_lt_multiply",
     "state_dim",
     "group_blocks_for",
@@ -54,9 +55,16 @@ CPU_GROUP_BYTES = 4 * 2**20
 mixed attention): groups stay in cache; on accelerators all blocks run at once."""
 
 
-def group_bytes_for(device: torch.device) -> int | None:
-    """``CPU_GROUP_BYTES`` on CPU, ``None`` (all blocks at once) on other devices."""
-    return CPU_GROUP_BYTES if device.type == "cpu" else None
+ACCELERATOR_GROUP_BYTES = 2**30
+"""Temporaries budget per group on accelerators: all blocks at once up to it (B·H = 12, D = 64,
+r = 32 squared, b = 256: ~46 MB per block, so one group to ~5.5k tokens, 11 groups at 64k),
+so peak memory stays bounded at long T while each kernel is still a large batched one (a
+handful of iterations, not the CPU scan's many small groups; no host sync either way)."""
+
+
+def group_bytes_for(device: torch.device) -> int:
+    """``CPU_GROUP_BYTES`` on CPU, ``ACCELERATOR_GROUP_BYTES`` on other devices."""
+    return CPU_GROUP_BYTES if device.type == "cpu" else ACCELERATOR_GROUP_BYTES
 
 
 class _StateSpace:

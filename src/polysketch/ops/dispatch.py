@@ -5,7 +5,8 @@
                          "chunked_blocks" on any accelerator, "chunked_scan" on CPU
     "chunked_scan"    the CPU layout: groups of blocks under a byte budget (``ops.chunked``);
                       with gradients, the recomputing ``ops.blocks`` function over the same groups
-    "chunked_blocks"  the accelerator layout: all blocks at once (``ops.blocks``)
+    "chunked_blocks"  the accelerator layout: all blocks at once (``ops.blocks``), in a few
+                      large groups past ``ops.blocks.ACCELERATOR_GROUP_BYTES`` of temporaries
     "triton"          fused Triton kernels (``ops.triton``, the optional ``triton`` extra)
     "cumsum"          Performer prefix sums (``ops.cumsum``; memory O(T·F'·E))
 

@@ -40,7 +40,7 @@ from ._validate import (
     check_offset_eps,
     check_qkv,
 )
-from .blocks import CPU_GROUP_BYTES, blocks_lt_multiply
+from .blocks import ACCELERATOR_GROUP_BYTES, CPU_GROUP_BYTES, blocks_lt_multiply
 from .chunked import (
     _PairFeatures,
     chunked_lt_multiply,
@@ -168,7 +168,7 @@ def linear_attention(
     elif backend == "chunked_blocks" or (
         backend == "chunked_scan" and _needs_grad(q, k, c, num0, den0)
     ):
-        group = None if backend == "chunked_blocks" else CPU_GROUP_BYTES
+        group = ACCELERATOR_GROUP_BYTES if backend == "chunked_blocks" else CPU_GROUP_BYTES
         out, den, num, z = _blocks(q, k, c, num0, den0, square, chunk_size, track_den, group)
     elif backend == "chunked_scan":
         kw = dict(chunk_size=chunk_size, square=square, final_state=return_state)
