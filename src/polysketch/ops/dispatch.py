@@ -1,7 +1,8 @@
 """Which implementation of causal ``linear_attention`` runs: ``algorithm=`` and the device.
 
     "chunked"         -> "triton" on CUDA when the fused kernels are importable and support the
-                         call (no initial/returned state, supported F and E), else
+                         call (no initial/returned state, supported F and E, not inside
+                         torch.compile), else
                          "chunked_blocks" on any accelerator, "chunked_scan" on CPU
     "chunked_scan"    the CPU layout: groups of blocks under a byte budget (``ops.chunked``);
                       with gradients, the recomputing ``ops.blocks`` function over the same groups
@@ -25,19 +26,22 @@ __all__ = ["ALGORITHMS", "resolve_algorithm", "triton_backend"]
 ALGORITHMS = ("chunked", "chunked_scan", "chunked_blocks", "triton", "cumsum")
 
 
-_IMPORTED: list = []  # [module or None] once the import was tried (not repeated per call)
+_BACKEND: list = []  # [module or None], decided once per process (not per call)
 
 
 def triton_backend():
-    """The ``polysketch.ops.triton`` module, or ``None`` when it cannot run here."""
-    if not _IMPORTED:
+    """The ``polysketch.ops.triton`` module when its kernels can run here, else ``None``.
+
+    Decided on first use and cached (triton importable, and CUDA or ``TRITON_INTERPRET=1``),
+    so dispatch does no import or probing per call.
+    """
+    if not _BACKEND:
         try:
             from . import triton as backend
         except ImportError:
             backend = None
-        _IMPORTED.append(backend)
-    backend = _IMPORTED[0]
-    return backend if backend is not None and backend.available() else None
+        _BACKEND.append(backend if backend is not None and backend.available() else None)
+    return _BACKEND[0]
 
 
 def resolve_algorithm(
@@ -75,7 +79,9 @@ def resolve_algorithm(
         return algorithm
     if a.device.type == "cpu":
         return "chunked_scan"
-    if a.device.type == "cuda" and not with_state:
+    if a.device.type == "cuda" and not with_state and not torch.compiler.is_compiling():
+        # eager calls take the fused kernels; a compiled graph takes chunked_blocks, which
+        # inductor fuses itself (no opaque kernel in the graph)
         backend = triton_backend()
         if backend is not None and backend.unsupported_reason(a, b, c, square=square) is None:
             return "triton"

@@ -128,6 +128,10 @@ def linear_attention_step(
     """
     from .kernel import linear_attention  # kernel.py imports this module for the state class
 
+    fused = _fused_step(phi_q, phi_k, v, state, square, normalize, denominator_offset,
+                        key_padding_mask, eps)  # fmt: skip
+    if fused is not None:
+        return fused
     chunk = phi_q.shape[-2] if isinstance(phi_q, torch.Tensor) and phi_q.dim() >= 2 else 1
     return linear_attention(
         phi_q,
@@ -143,3 +147,41 @@ def linear_attention_step(
         key_padding_mask=key_padding_mask,
         eps=eps,
     )
+
+
+def _fused_step(phi_q, phi_k, v, state, square, normalize, offset, key_padding_mask, eps):
+    """The fused Triton step (``polysketch.ops.triton``) for one token on CUDA, or ``None``.
+
+    Taken only where it computes exactly what ``linear_attention`` would: one new token,
+    fp32/bf16/fp16 inputs with fp32 states, no key padding, no gradient, a supported shape.
+    """
+    from .._checks import check_float
+    from ._validate import check_bool, check_qkv
+    from .dispatch import triton_backend
+    from .naive import stabilize_denominator
+
+    if not (
+        isinstance(phi_q, torch.Tensor) and phi_q.is_cuda and phi_q.dim() >= 2
+        and phi_q.shape[-2] == 1 and isinstance(state, LinearAttentionState)
+        and key_padding_mask is None and phi_q.dtype != torch.float64
+        and state.numerator.dtype == torch.float32 and state.denominator.dtype == torch.float32
+        and not (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (phi_q, phi_k, v, state.numerator, state.denominator)))
+        and isinstance(square, bool) and isinstance(normalize, bool)
+    ):  # fmt: skip
+        return None
+    backend = triton_backend()
+    if backend is None or backend.unsupported_reason(phi_q, phi_k, v, square=square):
+        return None
+    check_qkv(phi_q, phi_k, v, causal=True)
+    offset, eps = check_float(offset, "denominator_offset"), check_float(eps, "eps", minimum=0.0)
+    check_bool(normalize, "normalize")
+    num0, den0 = unpack_state(
+        state, leading=tuple(phi_q.shape[:-2]), feature_dim=phi_q.shape[-1],
+        value_dim=v.shape[-1], square=square, with_denominator=True, dtype=torch.float32,
+        device=phi_q.device,
+    )  # fmt: skip
+    num, den, n1, z1 = backend.triton_decode_step(phi_q, phi_k, v, num0, den0, square=square)
+    out = num / stabilize_denominator(den.unsqueeze(-1) + offset, eps) if normalize else num
+    return out.to(phi_q.dtype), LinearAttentionState(n1, z1, state.length + 1)
