@@ -190,6 +190,7 @@ def section_quality(args, sizes: DemoSizes, report, state: dict) -> dict:
 # ----- 3. speed ---------------------------------------------------------------------------------
 def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
     from .bench import (
+        METHODS,
         BenchConfig,
         format_report,
         parse_lengths,
@@ -206,6 +207,8 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
         max_repeats=sizes.max_repeats, matmul_n=sizes.matmul_n, threads=args.threads,
         seed=args.seed, progress=not args.no_progress, device=args.device,
         dtype="bf16" if cuda else "fp32",
+        # CPU keeps the demo's earlier methods and time budget; CUDA adds psf_mixed
+        methods=METHODS if cuda else ("sdpa", "polysketch", "positive"),
     )  # fmt: skip
     print(f"[speed] causal attention and decoding at T in {list(lengths)}", flush=True)
     result = run_benchmark(config)
