@@ -1,0 +1,57 @@
+"""Block sizes and launch configurations of the Triton kernels.
+
+Register budget (H100: 64K 32-bit registers per SM, 255 per thread): the largest tensors a
+program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block
+scores (BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep
+F·BE <= 8192 and BT <= 64 when F >= 64 so that no tile exceeds 32 KiB of registers and the
+operands staged in shared memory for ``tl.dot`` stay well under 100 KiB (BT·F·2 bytes for
+half A_n, B_n: 32 KiB at BT = 64, F = 256).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ._validate import interpreting
+
+__all__ = ["block_t", "block_e", "tuned"]
+
+MIN_BLOCK = 16  # tl.dot needs every dim >= 16
+MAX_BLOCK = 128
+STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
+
+
+def block_t(chunk_size: int, t: int, f: int) -> int:
+    """BT: the largest power of two <= ``chunk_size`` in [16, 128] (64 when F >= 64), and no
+    larger than T rounded up to a power of two (short calls: less masked work)."""
+    bt = 1 << (max(1, int(chunk_size)).bit_length() - 1)
+    cap = 64 if f >= 64 else MAX_BLOCK
+    bt = min(max(bt, MIN_BLOCK), cap)
+    return max(MIN_BLOCK, min(bt, triton.next_power_of_2(t)))
+
+
+def block_e(f: int, e: int, *, square: bool) -> int:
+    """BE: the value columns per program (E is split in tiles over the grid's second axis)."""
+    if square:
+        return min(e, 64)
+    return min(e, max(32, STATE_ELEMENTS // f))
+
+
+def tuned(reset: list[str] | None = None):
+    """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
+    nothing under the interpreter (one plain launch with 4 warps, nothing to time).
+
+    ``reset`` names the scratch buffers that every timed run must find zeroed.
+    """
+
+    def wrap(kernel):
+        if interpreting():
+            return kernel
+        configs = [
+            triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)
+        ]
+        return triton.autotune(
+            configs=configs, key=["F", "E", "BT", "BE", "SQUARE"], reset_to_zero=reset
+        )(kernel)
+
+    return wrap
