@@ -11,10 +11,11 @@ half A_n, B_n: 32 KiB at BT = 64, F = 256).
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 
 from ._validate import interpreting
 
-__all__ = ["block_t", "block_e", "tuned"]
+__all__ = ["block_t", "block_e", "tuned", "mma"]
 
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 MAX_BLOCK = 128
@@ -55,3 +56,18 @@ def tuned(reset: list[str] | None = None):
         )(kernel)
 
     return wrap
+
+
+INTERPRET_UPCAST = tl.constexpr(interpreting())
+"""Under the interpreter, ``mma`` multiplies in fp32: triton 3.9's interpreter returns garbage
+for ``tl.dot`` on bfloat16 operands. The product of two half values is exact in fp32, so
+this is the arithmetic of the compiled half-precision ``tl.dot`` with fp32 accumulation (up to
+the summation order)."""
+
+
+@triton.jit
+def mma(x, y, PRECISION: tl.constexpr):
+    """``tl.dot(x, y)`` with fp32 accumulation; operands of one dtype, every dim >= 16."""
+    if INTERPRET_UPCAST:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    return tl.dot(x, y, input_precision=PRECISION)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import block_e, tuned
+from ._config import block_e, mma, tuned
 
 __all__ = ["forward"]
 
@@ -63,11 +63,11 @@ def _forward_kernel(
         c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
         dt = a.dtype
         # within the block: exact masked scores (padded rows are zero rows)
-        g = tl.dot(a, tl.trans(b), input_precision=PRECISION)
+        g = mma(a, tl.trans(b), PRECISION)
         if SQUARE:
             g = g * g
         m = tl.where(causal, g, 0.0)
-        acc = tl.dot(m.to(dt), c, input_precision=PRECISION)
+        acc = mma(m.to(dt), c, PRECISION)
         rs = tl.sum(m, axis=1)
         # across blocks: read the state of the earlier blocks, then add this block's
         if SQUARE:
@@ -76,18 +76,18 @@ def _forward_kernel(
                 p = tl.load(p_ptr)
                 a_i = tl.load(a_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
                 b_i = tl.load(b_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
-                y = tl.dot(a, p.to(dt), input_precision=PRECISION)
+                y = mma(a, p.to(dt), PRECISION)
                 acc += a_i[:, None] * y
                 bw = (b.to(tl.float32) * b_i[:, None]).to(dt)
-                p += tl.dot(tl.trans(bw), c, input_precision=PRECISION)
+                p += mma(tl.trans(bw), c, PRECISION)
                 tl.store(p_ptr, p)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
-            az = tl.dot(a, z.to(dt), input_precision=PRECISION)
+            az = mma(a, z.to(dt), PRECISION)
             rs += tl.sum(az * a.to(tl.float32), axis=1)
-            z += tl.dot(tl.trans(b), b, input_precision=PRECISION)
+            z += mma(tl.trans(b), b, PRECISION)
         else:
-            acc += tl.dot(a, s.to(dt), input_precision=PRECISION)
-            s += tl.dot(tl.trans(b), c, input_precision=PRECISION)
+            acc += mma(a, s.to(dt), PRECISION)
+            s += mma(tl.trans(b), c, PRECISION)
             rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             z += tl.sum(b.to(tl.float32), axis=0)
         tl.store(
