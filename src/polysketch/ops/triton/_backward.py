@@ -52,7 +52,7 @@ def _local_terms(a, b, c, dn, drow, causal, SQUARE: tl.constexpr, PRECISION: tl.
     return s, dg
 
 
-@tuned(reset=["STATE"])
+@tuned()
 @triton.jit
 def _bwd_a_kernel(
     A, B, C, DNUM, DROW, DA, STATE, T,
@@ -74,7 +74,11 @@ def _bwd_a_kernel(
     if SQUARE:
         z = tl.zeros([F, F], dtype=tl.float32)
         s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
+        s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
+        for i in range(F):  # this program's columns of the scratch start at zero
+            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
+        tl.debug_barrier()
     else:
         z = tl.zeros([F], dtype=tl.float32)
         s = tl.zeros([F, BE], dtype=tl.float32)
@@ -110,7 +114,7 @@ def _bwd_a_kernel(
         tl.store(da_base + rows[:, None] * F + offs_f[None, :], da, mask=valid[:, None])
 
 
-@tuned(reset=["STATE"])
+@tuned()
 @triton.jit
 def _bwd_bc_kernel(
     A, B, C, DNUM, DROW, DB, DC, STATE, T,
@@ -132,7 +136,11 @@ def _bwd_bc_kernel(
     if SQUARE:
         du = tl.zeros([F, F], dtype=tl.float32)
         ds = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
+        s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
+        for i in range(F):  # this program's columns of the scratch start at zero
+            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
+        tl.debug_barrier()
     else:
         du = tl.zeros([F], dtype=tl.float32)
         ds = tl.zeros([F, BE], dtype=tl.float32)
@@ -175,9 +183,7 @@ def _bwd_bc_kernel(
             ds += mma(tl.trans(a), dnh, PRECISION)
             du += tl.sum(a.to(tl.float32) * drow[:, None], axis=0)
         tl.store(db_base + rows[:, None] * F + offs_f[None, :], db, mask=valid[:, None])
-        tl.store(
-            DC + bh * T * E + rows[:, None] * E + offs_e[None, :], dc, mask=valid[:, None]
-        )
+        tl.store(DC + bh * T * E + rows[:, None] * E + offs_e[None, :], dc, mask=valid[:, None])
 
 
 def backward(a, b, c, dnum, drow, *, square: bool, bt: int):
@@ -196,6 +202,6 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int):
     shape = (bh, f, f, e) if square else (1,)
     consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, PRECISION=precision(a.dtype))
     grid = (bh, ne)
-    _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.zeros(shape, **kw), t, **consts)
-    _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.zeros(shape, **kw), t, **consts)
+    _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.empty(shape, **kw), t, **consts)
+    _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.empty(shape, **kw), t, **consts)
     return da.sum(0), db.sum(0), dc

@@ -20,13 +20,15 @@ __all__ = ["block_t", "block_e", "tuned", "mma"]
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 MAX_BLOCK = 128
 STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
+OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
 
 
-def block_t(chunk_size: int, t: int, f: int) -> int:
-    """BT: the largest power of two <= ``chunk_size`` in [16, 128] (64 when F >= 64), and no
-    larger than T rounded up to a power of two (short calls: less masked work)."""
+def block_t(chunk_size: int, t: int, f: int, element_size: int) -> int:
+    """BT: the largest power of two <= ``chunk_size`` in [16, 128], at most 64 when F >= 64
+    and with BT·F·element_size <= 32 KiB (one operand tile A_n), and no larger than T rounded
+    up to a power of two (short calls: less masked work)."""
     bt = 1 << (max(1, int(chunk_size)).bit_length() - 1)
-    cap = 64 if f >= 64 else MAX_BLOCK
+    cap = min(64 if f >= 64 else MAX_BLOCK, OPERAND_BYTES // (f * element_size))
     bt = min(max(bt, MIN_BLOCK), cap)
     return max(MIN_BLOCK, min(bt, triton.next_power_of_2(t)))
 
@@ -38,22 +40,18 @@ def block_e(f: int, e: int, *, square: bool) -> int:
     return min(e, max(32, STATE_ELEMENTS // f))
 
 
-def tuned(reset: list[str] | None = None):
+def tuned():
     """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
     nothing under the interpreter (one plain launch with 4 warps, nothing to time).
 
-    ``reset`` names the scratch buffers that every timed run must find zeroed.
+    The kernels zero their own scratch state, so timed runs need no reset between them.
     """
 
     def wrap(kernel):
         if interpreting():
             return kernel
-        configs = [
-            triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)
-        ]
-        return triton.autotune(
-            configs=configs, key=["F", "E", "BT", "BE", "SQUARE"], reset_to_zero=reset
-        )(kernel)
+        configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+        return triton.autotune(configs=configs, key=["F", "E", "BT", "BE", "SQUARE"])(kernel)
 
     return wrap
 
@@ -69,5 +67,7 @@ the summation order)."""
 def mma(x, y, PRECISION: tl.constexpr):
     """``tl.dot(x, y)`` with fp32 accumulation; operands of one dtype, every dim >= 16."""
     if INTERPRET_UPCAST:
-        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
-    return tl.dot(x, y, input_precision=PRECISION)
+        out = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(x, y, input_precision=PRECISION)
+    return out

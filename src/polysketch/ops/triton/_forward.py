@@ -32,7 +32,7 @@ from ._config import block_e, mma, tuned
 __all__ = ["forward"]
 
 
-@tuned(reset=["STATE"])
+@tuned()
 @triton.jit
 def _forward_kernel(
     A, B, C, NUM, RS, STATE, T,
@@ -51,7 +51,11 @@ def _forward_kernel(
     if SQUARE:
         z = tl.zeros([F, F], dtype=tl.float32)
         s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
+        s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
+        for i in range(F):  # this program's columns of the scratch start at zero
+            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
+        tl.debug_barrier()
     else:
         z = tl.zeros([F], dtype=tl.float32)
         s = tl.zeros([F, BE], dtype=tl.float32)
@@ -90,9 +94,7 @@ def _forward_kernel(
             s += mma(tl.trans(b), c, PRECISION)
             rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             z += tl.sum(b.to(tl.float32), axis=0)
-        tl.store(
-            NUM + bh * T * E + rows[:, None] * E + offs_e[None, :], acc, mask=valid[:, None]
-        )
+        tl.store(NUM + bh * T * E + rows[:, None] * E + offs_e[None, :], acc, mask=valid[:, None])
         tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe == 0))  # tile 0 writes
 
 
@@ -110,7 +112,7 @@ def forward(a, b, c, *, square: bool, bt: int) -> tuple[torch.Tensor, torch.Tens
     num = torch.empty(bh, t, e, dtype=torch.float32, device=a.device)
     rs = torch.empty(bh, t, dtype=torch.float32, device=a.device)
     if square:
-        state = torch.zeros(bh, f, f, e, dtype=torch.float32, device=a.device)
+        state = torch.empty(bh, f, f, e, dtype=torch.float32, device=a.device)
     else:
         state = torch.empty(1, dtype=torch.float32, device=a.device)
     grid = (bh, triton.cdiv(e, be))

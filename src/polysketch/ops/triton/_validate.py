@@ -40,10 +40,7 @@ def _device_ok(x: torch.Tensor) -> bool:
 
 
 def _device_sentence(name: str) -> str:
-    return (
-        f"{name} must be on a CUDA device (or set TRITON_INTERPRET=1 to run the kernels on "
-        "CPU)"
-    )
+    return f"{name} must be on a CUDA device (or set TRITON_INTERPRET=1 to run the kernels on CPU)"
 
 
 def check_inputs(a, b, c, *, square) -> tuple[type[Exception], str] | None:
@@ -76,7 +73,8 @@ def check_inputs(a, b, c, *, square) -> tuple[type[Exception], str] | None:
         if not _device_ok(x):
             return ValueError, _device_sentence(name)
     if not (a.device == b.device == c.device):
-        return ValueError, f"a, b and c must be on one device, got {a.device}, {b.device}, {c.device}"
+        got = f"{a.device}, {b.device}, {c.device}"
+        return ValueError, f"a, b and c must be on one device, got {got}"
     f, e = a.shape[-1], c.shape[-1]
     dims = SQUARE_FEATURE_DIMS if square else PLAIN_FEATURE_DIMS
     if f not in dims:
@@ -121,7 +119,8 @@ def check_decode_inputs(phi_q, phi_k, v, numerator, denominator, *, square):
         )
     lead, f, e = tuple(phi_q.shape[:-2]), phi_q.shape[-1], v.shape[-1]
     if tuple(v.shape[:-2]) != lead:
-        return ValueError, f"v must have shape (..., 1, E) with leading dims {lead}, got {tuple(v.shape)}"
+        got = tuple(v.shape)
+        return ValueError, f"v must have shape (..., 1, E) with leading dims {lead}, got {got}"
     dims = SQUARE_FEATURE_DIMS if square else PLAIN_FEATURE_DIMS
     if f not in dims:
         return ValueError, f"phi_q must have a feature dim F in {dims} (square={square}), got F={f}"
@@ -140,5 +139,6 @@ def check_decode_inputs(phi_q, phi_k, v, numerator, denominator, *, square):
             )
     devices = {x.device for _, x in named}
     if len(devices) != 1:
-        return ValueError, f"phi_q, phi_k, v, numerator and denominator must be on one device, got {sorted(map(str, devices))}"
+        got = sorted(map(str, devices))
+        return ValueError, f"phi_q, ..., denominator must be on one device, got {got}"
     return None

@@ -47,7 +47,7 @@ def lt_multiply_with_sums(a, b, c, *, square: bool, chunk_size: int = 64):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     lead, t, f, e = a.shape[:-2], a.shape[-2], a.shape[-1], c.shape[-1]
     flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
-    num, rs = _LtMultiplyWithSums.apply(*flat, square, block_t(chunk_size, t, f))
+    num, rs = _LtMultiplyWithSums.apply(*flat, square, block_t(chunk_size, t, f, a.element_size()))
     return num.reshape(*lead, t, e), rs.reshape(*lead, t)
 
 
