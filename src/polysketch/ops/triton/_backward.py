@@ -204,4 +204,6 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int):
     grid = (bh, ne)
     _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.empty(shape, **kw), t, **consts)
     _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.empty(shape, **kw), t, **consts)
+    if ne == 1:
+        return da[0], db[0], dc
     return da.sum(0), db.sum(0), dc
