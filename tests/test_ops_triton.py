@@ -20,6 +20,7 @@ from polysketch.ops.triton import (  # noqa: E402
     triton_lt_multiply_with_sums,
     unsupported_reason,
 )
+from polysketch.ops.triton.function import lt_multiply_with_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,7 +51,11 @@ def _naive_same_dtype(a, b, c, square):
     return s @ c, s.sum(-1)
 
 
-def _kernel(a, b, c, square, **kw):
+def _kernel(a, b, c, square, groups=None, **kw):
+    """The public op, or with ``groups`` the square state's slices split over that many
+    programs (on a GPU chosen from the SM count; always 1 on CPU)."""
+    if groups is not None:
+        return lt_multiply_with_sums(a, b, c, square=square, groups=groups, **kw)
     return triton_lt_multiply_with_sums(a, b, c, square=square, **kw)
 
 
@@ -65,23 +70,24 @@ def _values_and_grads(fn, a, b, c, square, wn, wr, dtype, **kw):
 
 NAMES = ("num", "row_sums", "da", "db", "dc")
 
-FP32_CASES = [  # (square, F, E, T, lead, chunk_size)
-    *[(False, 16, 32, t, (2, 3), 64) for t in (1, 17, 64, 65, 130)],
-    (False, 64, 64, 65, (2, 3), 64),
-    (False, 64, 32, 97, (2,), 16),  # 7 blocks of 16: the carried state over many blocks
-    (False, 128, 128, 33, (2,), 64),  # two value tiles: partial dA, dB summed
-    *[(True, 16, 32, t, (2, 3), 64) for t in (1, 17, 64, 65, 130)],
-    (True, 32, 64, 65, (2,), 64),
-    (True, 32, 32, 50, (3,), 16),
-    (True, 16, 128, 40, (2,), 16),  # two value tiles
+FP32_CASES = [  # (square, F, E, T, lead, chunk_size, slice groups)
+    *[(False, 16, 32, t, (2, 3), 64, None) for t in (1, 17, 64, 65, 130)],
+    (False, 64, 64, 65, (2, 3), 64, None),
+    (False, 64, 32, 97, (2,), 16, None),  # 7 blocks of 16: the carried state over many blocks
+    (False, 128, 128, 33, (2,), 64, None),  # two value tiles: partial dA, dB summed
+    *[(True, 16, 32, t, (2, 3), 64, None) for t in (1, 17, 64, 65, 130)],
+    (True, 32, 64, 65, (2,), 64, None),
+    (True, 32, 32, 50, (2,), 16, 4),  # slices split over 4 programs: partials summed
+    (True, 16, 128, 40, (2,), 16, 2),  # two value tiles and two slice groups
 ]
 
 
-@pytest.mark.parametrize("square,f,e,t,lead,chunk", FP32_CASES)
-def test_fp32_outputs_and_gradients_match_naive(square, f, e, t, lead, chunk):
+@pytest.mark.parametrize("square,f,e,t,lead,chunk,groups", FP32_CASES)
+def test_fp32_outputs_and_gradients_match_naive(square, f, e, t, lead, chunk, groups):
     a, b, c = _inputs(lead, t, f, e, square=square)
     wn, wr = torch.randn(*lead, t, e, device=DEVICE), torch.randn(*lead, t, device=DEVICE)
-    got = _values_and_grads(_kernel, a, b, c, square, wn, wr, torch.float32, chunk_size=chunk)
+    kw = {"chunk_size": chunk, "groups": groups}
+    got = _values_and_grads(_kernel, a, b, c, square, wn, wr, torch.float32, **kw)
     ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
     assert got[0].dtype == got[1].dtype == torch.float32
     assert got[0].shape == (*lead, t, e) and got[1].shape == (*lead, t)
@@ -109,15 +115,15 @@ def test_half_precision_within_twice_the_same_dtype_naive_error(dtype, square, f
         assert rel_err(x.double(), y) <= 2 * rel_err(h.double(), y), name
 
 
-@pytest.mark.parametrize("square", [False, True])
-def test_causal_outputs_before_t_are_bit_identical(square):
+@pytest.mark.parametrize("square,groups", [(False, None), (True, None), (True, 2)])
+def test_causal_outputs_before_t_are_bit_identical(square, groups):
     t, cut = 130, 70  # cut inside the second block: the masked local part and the states
     a, b, c = _inputs((2,), t, 16, 32, square=square)
-    num, rs = _kernel(a, b, c, square)
+    num, rs = _kernel(a, b, c, square, groups)
     a2, b2, c2 = (x.clone() for x in (a, b, c))
     for x in (a2, b2, c2):
         x[..., cut + 1 :, :] = torch.randn_like(x[..., cut + 1 :, :]) * 50
-    num2, rs2 = _kernel(a2, b2, c2, square)
+    num2, rs2 = _kernel(a2, b2, c2, square, groups)
     assert torch.equal(num[..., : cut + 1, :], num2[..., : cut + 1, :])
     assert torch.equal(rs[..., : cut + 1], rs2[..., : cut + 1])
     assert not torch.equal(num[..., cut + 1 :, :], num2[..., cut + 1 :, :])
@@ -222,6 +228,8 @@ def test_bad_arguments_of_the_op_and_the_decode_step():
         triton_lt_multiply_with_sums(a, b, c, square=1)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         triton_lt_multiply_with_sums(a, b, c, square=True, chunk_size=0)
+    with pytest.raises(ValueError, match="groups must divide F=16"):
+        lt_multiply_with_sums(a, b, c, square=True, groups=3)
     q, k, v = (x[..., :1, :] for x in (a, b, c))
     n, z = torch.zeros(2, 16, 16, 32, device=DEVICE), torch.zeros(2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="phi_q requires grad"):

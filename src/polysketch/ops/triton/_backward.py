@@ -57,11 +57,14 @@ def _local_terms(a, b, c, dn, drow, causal, SQUARE: tl.constexpr, PRECISION: tl.
 def _bwd_a_kernel(
     A, B, C, DNUM, DROW, DA, STATE, T,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    SQUARE: tl.constexpr, PRECISION: tl.constexpr,
+    SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     pe = tl.program_id(1)
+    grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
     nbh = tl.num_programs(0).to(tl.int64)
+    part = grp * tl.num_programs(1) + pe  # index of this program's dA / dB partial
+    first = grp * F // NS
     offs_t = tl.arange(0, BT)
     offs_f = tl.arange(0, F)
     offs_e = pe * BE + tl.arange(0, BE)
@@ -69,14 +72,14 @@ def _bwd_a_kernel(
     b_base = B + bh * T * F
     c_base = C + bh * T * E
     dn_base = DNUM + bh * T * E
-    da_base = DA + (pe * nbh + bh) * T * F
+    da_base = DA + (part * nbh + bh) * T * F
     causal = offs_t[:, None] >= offs_t[None, :]
     if SQUARE:
         z = tl.zeros([F, F], dtype=tl.float32)
         s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
         s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
-        for i in range(F):  # this program's columns of the scratch start at zero
+        for i in range(first, first + F // NS):  # this program's scratch starts at zero
             tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
         tl.debug_barrier()
     else:
@@ -89,13 +92,15 @@ def _bwd_a_kernel(
         b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
         c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
         dn = tl.load(dn_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
-        drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe == 0), other=0.0)
+        drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe + grp == 0), other=0.0)
         dt = a.dtype
-        _, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
-        da = mma(dg.to(dt), b, PRECISION)
+        da = tl.zeros([BT, F], dtype=tl.float32)
+        if grp == 0:
+            _, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
+            da = mma(dg.to(dt), b, PRECISION)
         if SQUARE:
             af = a.to(tl.float32)
-            for i in range(F):
+            for i in range(first, first + F // NS):
                 p_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
                 p = tl.load(p_ptr)
                 b_i = tl.load(b_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
@@ -105,8 +110,9 @@ def _bwd_a_kernel(
                 p += mma(tl.trans(bw), c, PRECISION)
                 tl.store(p_ptr, p)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
-            da += 2.0 * drow[:, None] * mma(a, z.to(dt), PRECISION)
-            z += mma(tl.trans(b), b, PRECISION)
+            if grp == 0:
+                da += 2.0 * drow[:, None] * mma(a, z.to(dt), PRECISION)
+                z += mma(tl.trans(b), b, PRECISION)
         else:
             da += mma(dn.to(dt), tl.trans(s.to(dt)), PRECISION) + drow[:, None] * z[None, :]
             s += mma(tl.trans(b), c, PRECISION)
@@ -119,11 +125,14 @@ def _bwd_a_kernel(
 def _bwd_bc_kernel(
     A, B, C, DNUM, DROW, DB, DC, STATE, T,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    SQUARE: tl.constexpr, PRECISION: tl.constexpr,
+    SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     pe = tl.program_id(1)
+    grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
     nbh = tl.num_programs(0).to(tl.int64)
+    part = grp * tl.num_programs(1) + pe  # index of this program's dA / dB partial
+    first = grp * F // NS
     offs_t = tl.arange(0, BT)
     offs_f = tl.arange(0, F)
     offs_e = pe * BE + tl.arange(0, BE)
@@ -131,14 +140,15 @@ def _bwd_bc_kernel(
     b_base = B + bh * T * F
     c_base = C + bh * T * E
     dn_base = DNUM + bh * T * E
-    db_base = DB + (pe * nbh + bh) * T * F
+    db_base = DB + (part * nbh + bh) * T * F
+    dc_base = DC + (grp * nbh + bh) * T * E
     causal = offs_t[:, None] >= offs_t[None, :]
     if SQUARE:
         du = tl.zeros([F, F], dtype=tl.float32)
         ds = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
         s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
-        for i in range(F):  # this program's columns of the scratch start at zero
+        for i in range(first, first + F // NS):  # this program's scratch starts at zero
             tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
         tl.debug_barrier()
     else:
@@ -152,15 +162,18 @@ def _bwd_bc_kernel(
         b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
         c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
         dn = tl.load(dn_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
-        drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe == 0), other=0.0)
+        drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe + grp == 0), other=0.0)
         dt = a.dtype
-        s, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
         dnh = dn.to(dt)
-        dc = mma(tl.trans(s.to(dt)), dnh, PRECISION)
-        db = mma(tl.trans(dg.to(dt)), a, PRECISION)
+        dc = tl.zeros([BT, BE], dtype=tl.float32)
+        db = tl.zeros([BT, F], dtype=tl.float32)
+        if grp == 0:
+            s, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
+            dc = mma(tl.trans(s.to(dt)), dnh, PRECISION)
+            db = mma(tl.trans(dg.to(dt)), a, PRECISION)
         if SQUARE:
             bf = b.to(tl.float32)
-            for i in range(F):
+            for i in range(first, first + F // NS):
                 q_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
                 q = tl.load(q_ptr)
                 qh = q.to(dt)
@@ -173,9 +186,10 @@ def _bwd_bc_kernel(
                 q += mma(tl.trans(aw), dnh, PRECISION)
                 tl.store(q_ptr, q)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
-            db += 2.0 * mma(b, du.to(dt), PRECISION)
-            ad = (a.to(tl.float32) * drow[:, None]).to(dt)
-            du += mma(tl.trans(ad), a, PRECISION)
+            if grp == 0:
+                db += 2.0 * mma(b, du.to(dt), PRECISION)
+                ad = (a.to(tl.float32) * drow[:, None]).to(dt)
+                du += mma(tl.trans(ad), a, PRECISION)
         else:
             dsh = ds.to(dt)
             dc += mma(b, dsh, PRECISION)
@@ -183,12 +197,12 @@ def _bwd_bc_kernel(
             ds += mma(tl.trans(a), dnh, PRECISION)
             du += tl.sum(a.to(tl.float32) * drow[:, None], axis=0)
         tl.store(db_base + rows[:, None] * F + offs_f[None, :], db, mask=valid[:, None])
-        tl.store(DC + bh * T * E + rows[:, None] * E + offs_e[None, :], dc, mask=valid[:, None])
+        tl.store(dc_base + rows[:, None] * E + offs_e[None, :], dc, mask=valid[:, None])
 
 
-def backward(a, b, c, dnum, drow, *, square: bool, bt: int):
+def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):
     """dA, dB (BH, T, F) and dC (BH, T, E), fp32, for contiguous A, B, C (as ``forward``),
-    dnum (BH, T, E) and drow (BH, T) (cast to fp32)."""
+    dnum (BH, T, E) and drow (BH, T) (cast to fp32); ``ns`` slice groups as in ``forward``."""
     bh, t, f = a.shape
     e = c.shape[-1]
     be = block_e(f, e, square=square)
@@ -196,14 +210,12 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int):
     dnum = dnum.to(torch.float32).contiguous()
     drow = drow.to(torch.float32).contiguous()
     kw = {"dtype": torch.float32, "device": a.device}
-    da = torch.empty(ne, bh, t, f, **kw)
-    db = torch.empty(ne, bh, t, f, **kw)
-    dc = torch.empty(bh, t, e, **kw)
+    da = torch.empty(ns * ne, bh, t, f, **kw)
+    db = torch.empty(ns * ne, bh, t, f, **kw)
+    dc = torch.empty(ns, bh, t, e, **kw)
     shape = (bh, f, f, e) if square else (1,)
-    consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, PRECISION=precision(a.dtype))
-    grid = (bh, ne)
+    consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype))
+    grid = (bh, ne, ns)
     _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.empty(shape, **kw), t, **consts)
     _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.empty(shape, **kw), t, **consts)
-    if ne == 1:
-        return da[0], db[0], dc
-    return da.sum(0), db.sum(0), dc
+    return tuple(x[0] if x.shape[0] == 1 else x.sum(0) for x in (da, db, dc))

@@ -10,17 +10,20 @@ half A_n, B_n: 32 KiB at BT = 64, F = 256).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ._validate import interpreting
 
-__all__ = ["block_t", "block_e", "tuned", "mma"]
+__all__ = ["block_t", "block_e", "slice_groups", "tuned", "mma"]
 
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 MAX_BLOCK = 128
 STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
 OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
+MAX_SLICE_GROUPS = 8
+PARTIAL_BYTES = 256 * 2**20  # fp32 partial numerators of the slice groups, all together
 
 
 def block_t(chunk_size: int, t: int, f: int, element_size: int) -> int:
@@ -40,6 +43,29 @@ def block_e(f: int, e: int, *, square: bool) -> int:
     return min(e, max(32, STATE_ELEMENTS // f))
 
 
+def slice_groups(bh: int, t: int, f: int, e: int, device: torch.device, *, square: bool) -> int:
+    """NS, the groups the F square-state slices are split into across programs (1 when plain).
+
+    The grid is (BH, E/BE, NS): with few batch·heads (B = 1, H = 12: 12 programs on 132
+    SMs) the slices of one sequence run on NS SMs at once; each group writes an fp32 partial
+    numerator (NS·BH·T·E·4 bytes, capped at ``PARTIAL_BYTES``, summed afterwards in a fixed
+    order: deterministic). Grows NS (powers of two, at most 8 and F) until the grid covers
+    the GPU's SMs; 1 on CPU (the interpreter).
+    """
+    if not square or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = bh * triton.cdiv(e, block_e(f, e, square=True))
+    ns = 1
+    while (
+        programs * ns < sms
+        and 2 * ns <= min(MAX_SLICE_GROUPS, f)
+        and 2 * ns * bh * t * e * 4 <= PARTIAL_BYTES
+    ):
+        ns *= 2
+    return ns
+
+
 def tuned():
     """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
     nothing under the interpreter (one plain launch with 4 warps, nothing to time).
@@ -51,7 +77,7 @@ def tuned():
         if interpreting():
             return kernel
         configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
-        return triton.autotune(configs=configs, key=["F", "E", "BT", "BE", "SQUARE"])(kernel)
+        return triton.autotune(configs=configs, key=["F", "E", "BT", "BE", "SQUARE", "NS"])(kernel)
 
     return wrap
 

@@ -37,23 +37,27 @@ __all__ = ["forward"]
 def _forward_kernel(
     A, B, C, NUM, RS, STATE, T,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    SQUARE: tl.constexpr, PRECISION: tl.constexpr,
+    SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     pe = tl.program_id(1)
+    grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
+    nbh = tl.num_programs(0).to(tl.int64)
     offs_t = tl.arange(0, BT)
     offs_f = tl.arange(0, F)
     offs_e = pe * BE + tl.arange(0, BE)
     a_base = A + bh * T * F
     b_base = B + bh * T * F
     c_base = C + bh * T * E
+    num_base = NUM + (grp * nbh + bh) * T * E  # this group's partial numerator
     causal = offs_t[:, None] >= offs_t[None, :]
+    first = grp * F // NS
     if SQUARE:
         z = tl.zeros([F, F], dtype=tl.float32)
         s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
         s_zero = tl.zeros([F, BE], dtype=tl.float32)
         st_base = STATE + bh * F * F * E
-        for i in range(F):  # this program's columns of the scratch start at zero
+        for i in range(first, first + F // NS):  # this program's scratch starts at zero
             tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
         tl.debug_barrier()
     else:
@@ -66,16 +70,18 @@ def _forward_kernel(
         b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
         c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
         dt = a.dtype
-        # within the block: exact masked scores (padded rows are zero rows)
-        g = mma(a, tl.trans(b), PRECISION)
-        if SQUARE:
-            g = g * g
-        m = tl.where(causal, g, 0.0)
-        acc = mma(m.to(dt), c, PRECISION)
-        rs = tl.sum(m, axis=1)
+        acc = tl.zeros([BT, BE], dtype=tl.float32)
+        rs = tl.zeros([BT], dtype=tl.float32)
+        if grp == 0:  # within the block: exact masked scores (padded rows are zero rows)
+            g = mma(a, tl.trans(b), PRECISION)
+            if SQUARE:
+                g = g * g
+            m = tl.where(causal, g, 0.0)
+            acc = mma(m.to(dt), c, PRECISION)
+            rs = tl.sum(m, axis=1)
         # across blocks: read the state of the earlier blocks, then add this block's
         if SQUARE:
-            for i in range(F):
+            for i in range(first, first + F // NS):
                 p_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
                 p = tl.load(p_ptr)
                 a_i = tl.load(a_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
@@ -86,16 +92,17 @@ def _forward_kernel(
                 p += mma(tl.trans(bw), c, PRECISION)
                 tl.store(p_ptr, p)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
-            az = mma(a, z.to(dt), PRECISION)
-            rs += tl.sum(az * a.to(tl.float32), axis=1)
-            z += mma(tl.trans(b), b, PRECISION)
+            if grp == 0:
+                az = mma(a, z.to(dt), PRECISION)
+                rs += tl.sum(az * a.to(tl.float32), axis=1)
+                z += mma(tl.trans(b), b, PRECISION)
         else:
             acc += mma(a, s.to(dt), PRECISION)
             s += mma(tl.trans(b), c, PRECISION)
             rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             z += tl.sum(b.to(tl.float32), axis=0)
-        tl.store(NUM + bh * T * E + rows[:, None] * E + offs_e[None, :], acc, mask=valid[:, None])
-        tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe == 0))  # tile 0 writes
+        tl.store(num_base + rows[:, None] * E + offs_e[None, :], acc, mask=valid[:, None])
+        tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe + grp == 0))  # one writer
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -103,21 +110,22 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def forward(a, b, c, *, square: bool, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(a, b, c, *, square: bool, bt: int, ns: int) -> tuple[torch.Tensor, torch.Tensor]:
     """num (BH, T, E) fp32 and row sums (BH, T) fp32 for contiguous A, B (BH, T, F),
-    C (BH, T, E) of one dtype; ``bt`` is the block length BT (a power of two >= 16)."""
+    C (BH, T, E) of one dtype; ``bt`` is the block length BT (a power of two >= 16), ``ns``
+    the number of slice groups (square; 1 when plain), whose partial numerators are summed."""
     bh, t, f = a.shape
     e = c.shape[-1]
     be = block_e(f, e, square=square)
-    num = torch.empty(bh, t, e, dtype=torch.float32, device=a.device)
+    num = torch.empty(ns, bh, t, e, dtype=torch.float32, device=a.device)
     rs = torch.empty(bh, t, dtype=torch.float32, device=a.device)
     if square:
         state = torch.empty(bh, f, f, e, dtype=torch.float32, device=a.device)
     else:
         state = torch.empty(1, dtype=torch.float32, device=a.device)
-    grid = (bh, triton.cdiv(e, be))
+    grid = (bh, triton.cdiv(e, be), ns)
     _forward_kernel[grid](
         a, b, c, num, rs, state, t,
-        F=f, E=e, BT=bt, BE=be, SQUARE=square, PRECISION=precision(a.dtype),
+        F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype),
     )  # fmt: skip
-    return num, rs
+    return (num[0] if ns == 1 else num.sum(0)), rs
