@@ -6,11 +6,17 @@ inputs (row sums: the numerator of a ones column); half precision is judged agai
 error of a naive reference computed entirely in the same half dtype (flash-attention's rule).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+import polysketch  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from polysketch.ops import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
@@ -240,3 +246,17 @@ def test_bad_arguments_of_the_op_and_the_decode_step():
         triton_decode_step(q.detach(), k, v, n, z.double(), square=True)
     with pytest.raises(ValueError, match=r"phi_k must have shape \(\.\.\., 1, dim\)"):
         triton_decode_step(q.detach(), b, v, n, z, square=True)
+
+
+def test_package_imports_and_refuses_cleanly_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import torch, polysketch.ops.triton as t\n"
+        "x = torch.zeros(1, 4, 16)\n"
+        "assert not t.available()\n"
+        "assert 'pip install polysketch[triton]' in t.unsupported_reason(x, x, x, square=False)\n"
+    )
+    src = str(Path(polysketch.__file__).parents[1])  # this checkout's package, not another
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr

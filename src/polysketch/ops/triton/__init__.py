@@ -15,7 +15,7 @@ Triton's interpreter when ``TRITON_INTERPRET=1`` (slow; used by the tests).
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 
 import torch
 
@@ -29,11 +29,19 @@ __all__ = [
 ]
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    """Whether ``import triton`` works (tried once, on first use: not at package import)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def available() -> bool:
     """True when triton is importable and kernels can run (CUDA, or ``TRITON_INTERPRET=1``)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or interpreting()
+    return _triton_importable() and (torch.cuda.is_available() or interpreting())
 
 
 def unsupported_reason(a, b, c, *, square: bool) -> str | None:
@@ -41,7 +49,7 @@ def unsupported_reason(a, b, c, *, square: bool) -> str | None:
     else a sentence naming the argument and the limit (F in (16, 32, 64) squared, up to 256
     plain; E in (32, 64, 128); fp32/bf16/fp16; one CUDA device, or CPU under the
     interpreter; triton installed)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_importable():
         return "the Triton kernels need the triton package (pip install polysketch[triton])"
     problem = check_inputs(a, b, c, square=square)
     return None if problem is None else problem[1]
