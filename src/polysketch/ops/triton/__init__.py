@@ -62,10 +62,15 @@ def triton_lt_multiply_with_sums(a, b, c, *, square: bool, chunk_size: int = 64)
     and device (non-contiguous inputs are copied) -> num (..., T, E) fp32, row_sums (..., T)
     fp32. Any T >= 1 (the last block is masked). Differentiable w.r.t. a, b, c: the backward
     recomputes from the inputs (memory O(T·(F + E)) plus one F²·E fp32 scratch state per
-    batch·head when square). ``chunk_size`` is the block length BT of Theorem 3.1: the largest
-    power of two <= chunk_size in [16, 128], at most 64 when F >= 64 (register budget), and
-    no longer than T rounded up to a power of two; warps and pipeline stages are autotuned on
-    the GPU. Errors: TypeError/ValueError naming the argument (see ``unsupported_reason``).
+    batch·head when square).
+
+    Kernels: one sequential pass over blocks per (batch·head, value tile[, slice group]),
+    state carried on chip (see ``_forward``, ``_backward``). ``chunk_size`` is the block
+    length BT of Theorem 3.1, rounded to the largest power of two <= chunk_size in [16, 64]
+    (32 for fp32 inputs: register budget) and no longer than T rounded up to a power of two.
+    Warps (4, 8) and pipeline stages (1, 2) are autotuned on the GPU; BT is not (it is the
+    caller's chunk_size). Errors: TypeError/ValueError naming the argument (see
+    ``unsupported_reason``).
     """
     from .function import lt_multiply_with_sums
 

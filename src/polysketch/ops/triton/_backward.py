@@ -205,7 +205,7 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):
     dnum (BH, T, E) and drow (BH, T) (cast to fp32); ``ns`` slice groups as in ``forward``."""
     bh, t, f = a.shape
     e = c.shape[-1]
-    be = block_e(f, e, square=square)
+    be = block_e(f, e, square=square, element_size=a.element_size())
     ne = triton.cdiv(e, be)
     dnum = dnum.to(torch.float32).contiguous()
     drow = drow.to(torch.float32).contiguous()

@@ -3,9 +3,11 @@
 Register budget (H100: 64K 32-bit registers per SM, 255 per thread): the largest tensors a
 program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block
 scores (BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep
-F·BE <= 8192 and BT <= 64 when F >= 64 so that no tile exceeds 32 KiB of registers and the
-operands staged in shared memory for ``tl.dot`` stay well under 100 KiB (BT·F·2 bytes for
-half A_n, B_n: 32 KiB at BT = 64, F = 256).
+F·BE <= 8192 and BT <= 64 so that no tile exceeds 32 KiB of registers and the operands
+staged in shared memory for ``tl.dot`` stay well under 100 KiB (BT·F·2 bytes for half A_n,
+B_n: 32 KiB at BT = 64, F = 256). Checked by compiling every kernel for sm_90 with triton
+3.9 without a GPU (``triton.compile`` + cuobjdump): shared memory 40-100 KiB per program;
+ptxas spills of tens to ~1000 bytes per thread remain in the largest backward configs.
 """
 
 from __future__ import annotations
@@ -19,31 +21,39 @@ from ._validate import interpreting
 __all__ = ["block_t", "block_e", "slice_groups", "tuned", "mma"]
 
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
-MAX_BLOCK = 128
+MAX_BLOCK = 64  # 128-row blocks: (128, 128) fp32 scores spilled registers (sm_90)
 STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
 OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
 MAX_SLICE_GROUPS = 8
 PARTIAL_BYTES = 256 * 2**20  # fp32 partial numerators of the slice groups, all together
+FP32_BLOCK = 32
+"""BT and BE cap for fp32 inputs: exact fp32 ``tl.dot`` (``input_precision="ieee"``) runs on
+FMA units with its operands in registers; at 64-wide tiles ptxas (sm_90, triton 3.9) spilled
+10-20 KB per thread to local memory, at 32 far less. Half inputs use tensor cores."""
 
 
 def block_t(chunk_size: int, t: int, f: int, element_size: int) -> int:
-    """BT: the largest power of two <= ``chunk_size`` in [16, 128], at most 64 when F >= 64
-    and with BT·F·element_size <= 32 KiB (one operand tile A_n), and no larger than T rounded
-    up to a power of two (short calls: less masked work)."""
+    """BT: the largest power of two <= ``chunk_size`` in [16, 64], with BT·F·element_size
+    <= 32 KiB (one operand tile A_n), at most 32 for fp32 inputs (``FP32_BLOCK``), and no
+    larger than T rounded up to a power of two (short calls: less masked work)."""
     bt = 1 << (max(1, int(chunk_size)).bit_length() - 1)
-    cap = min(64 if f >= 64 else MAX_BLOCK, OPERAND_BYTES // (f * element_size))
+    cap = min(MAX_BLOCK, OPERAND_BYTES // (f * element_size))
+    if element_size == 4:
+        cap = min(cap, FP32_BLOCK)
     bt = min(max(bt, MIN_BLOCK), cap)
     return max(MIN_BLOCK, min(bt, triton.next_power_of_2(t)))
 
 
-def block_e(f: int, e: int, *, square: bool) -> int:
-    """BE: the value columns per program (E is split in tiles over the grid's second axis)."""
-    if square:
-        return min(e, 64)
-    return min(e, max(32, STATE_ELEMENTS // f))
+def block_e(f: int, e: int, *, square: bool, element_size: int) -> int:
+    """BE: the value columns per program (E is split in tiles over the grid's second axis);
+    at most 32 for fp32 inputs (``FP32_BLOCK``)."""
+    be = min(e, 64) if square else min(e, max(32, STATE_ELEMENTS // f))
+    return min(be, FP32_BLOCK) if element_size == 4 else be
 
 
-def slice_groups(bh: int, t: int, f: int, e: int, device: torch.device, *, square: bool) -> int:
+def slice_groups(
+    bh: int, t: int, f: int, e: int, device: torch.device, *, square: bool, element_size: int
+) -> int:
     """NS, the groups the F square-state slices are split into across programs (1 when plain).
 
     The grid is (BH, E/BE, NS): with few batch·heads (B = 1, H = 12: 12 programs on 132
@@ -55,7 +65,7 @@ def slice_groups(bh: int, t: int, f: int, e: int, device: torch.device, *, squar
     if not square or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = bh * triton.cdiv(e, block_e(f, e, square=True))
+    programs = bh * triton.cdiv(e, block_e(f, e, square=True, element_size=element_size))
     ns = 1
     while (
         programs * ns < sms

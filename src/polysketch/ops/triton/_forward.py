@@ -116,7 +116,7 @@ def forward(a, b, c, *, square: bool, bt: int, ns: int) -> tuple[torch.Tensor, t
     the number of slice groups (square; 1 when plain), whose partial numerators are summed."""
     bh, t, f = a.shape
     e = c.shape[-1]
-    be = block_e(f, e, square=square)
+    be = block_e(f, e, square=square, element_size=a.element_size())
     num = torch.empty(ns, bh, t, e, dtype=torch.float32, device=a.device)
     rs = torch.empty(bh, t, dtype=torch.float32, device=a.device)
     if square:

@@ -52,7 +52,7 @@ def lt_multiply_with_sums(
     flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
     bh = flat[0].shape[0]
     if groups is None:
-        groups = slice_groups(bh, t, f, e, a.device, square=square)
+        groups = slice_groups(bh, t, f, e, a.device, square=square, element_size=a.element_size())
     elif not (square and isinstance(groups, int) and groups >= 1 and f % groups == 0):
         raise ValueError(f"groups must divide F={f} (square only), got {groups!r}")
     bt = block_t(chunk_size, t, f, a.element_size())
