@@ -22,6 +22,7 @@ from polysketch.ops import LinearAttentionState, linear_attention, linear_attent
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
 from polysketch.ops.triton import (  # noqa: E402
     available,
+    decode_unsupported_reason,
     triton_decode_step,
     triton_lt_multiply_with_sums,
     unsupported_reason,
@@ -246,6 +247,10 @@ def test_bad_arguments_of_the_op_and_the_decode_step():
         triton_decode_step(q.detach(), k, v, n, z.double(), square=True)
     with pytest.raises(ValueError, match=r"phi_k must have shape \(\.\.\., 1, dim\)"):
         triton_decode_step(q.detach(), b, v, n, z, square=True)
+    assert decode_unsupported_reason(q.detach(), k, v, n, z, square=True) is None
+    assert "F in (16, 32, 64)" in decode_unsupported_reason(
+        q[..., :8].detach(), k[..., :8], v, n, z, square=True
+    )
 
 
 def test_package_imports_and_refuses_cleanly_without_triton():

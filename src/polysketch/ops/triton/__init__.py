@@ -19,11 +19,12 @@ import functools
 
 import torch
 
-from ._validate import check_inputs, interpreting
+from ._validate import check_decode_inputs, check_inputs, interpreting
 
 __all__ = [
     "available",
     "unsupported_reason",
+    "decode_unsupported_reason",
     "triton_lt_multiply_with_sums",
     "triton_decode_step",
 ]
@@ -52,6 +53,16 @@ def unsupported_reason(a, b, c, *, square: bool) -> str | None:
     if not _triton_importable():
         return "the Triton kernels need the triton package (pip install polysketch[triton])"
     problem = check_inputs(a, b, c, square=square)
+    return None if problem is None else problem[1]
+
+
+def decode_unsupported_reason(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """``None`` if ``triton_decode_step`` handles these arguments, else a sentence naming the
+    argument (one token, F and E as ``unsupported_reason``, fp32 state of the
+    ``LinearAttentionState`` layout, no input requiring grad, one CUDA device)."""
+    if not _triton_importable():
+        return "the Triton kernels need the triton package (pip install polysketch[triton])"
+    problem = check_decode_inputs(phi_q, phi_k, v, numerator, denominator, square=square)
     return None if problem is None else problem[1]
 
 
