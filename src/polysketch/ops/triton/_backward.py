@@ -210,12 +210,18 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):
     dnum = dnum.to(torch.float32).contiguous()
     drow = drow.to(torch.float32).contiguous()
     kw = {"dtype": torch.float32, "device": a.device}
-    da = torch.empty(ns * ne, bh, t, f, **kw)
-    db = torch.empty(ns * ne, bh, t, f, **kw)
-    dc = torch.empty(ns, bh, t, e, **kw)
     shape = (bh, f, f, e) if square else (1,)
     consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype))
     grid = (bh, ne, ns)
+    da = torch.empty(ns * ne, bh, t, f, **kw)
     _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.empty(shape, **kw), t, **consts)
+    da = _reduce(da)  # partials freed before the second pass allocates its own
+    db = torch.empty(ns * ne, bh, t, f, **kw)
+    dc = torch.empty(ns, bh, t, e, **kw)
     _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.empty(shape, **kw), t, **consts)
-    return tuple(x[0] if x.shape[0] == 1 else x.sum(0) for x in (da, db, dc))
+    return da, _reduce(db), _reduce(dc)
+
+
+def _reduce(partials: torch.Tensor) -> torch.Tensor:
+    """Σ over the leading (partial) dim in a fixed order; a view when there is one."""
+    return partials[0] if partials.shape[0] == 1 else partials.sum(0)

@@ -25,7 +25,7 @@ MAX_BLOCK = 64  # 128-row blocks: (128, 128) fp32 scores spilled registers (sm_9
 STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
 OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
 MAX_SLICE_GROUPS = 8
-PARTIAL_BYTES = 256 * 2**20  # fp32 partial numerators of the slice groups, all together
+PARTIAL_BYTES = 256 * 2**20  # fp32 partials of the slice groups (``slice_groups``)
 FP32_BLOCK = 32
 """BT and BE cap for fp32 inputs: exact fp32 ``tl.dot`` (``input_precision="ieee"``) runs on
 FMA units with its operands in registers; at 64-wide tiles ptxas (sm_90, triton 3.9) spilled
@@ -57,20 +57,22 @@ def slice_groups(
     """NS, the groups the F square-state slices are split into across programs (1 when plain).
 
     The grid is (BH, E/BE, NS): with few batch·heads (B = 1, H = 12: 12 programs on 132
-    SMs) the slices of one sequence run on NS SMs at once; each group writes an fp32 partial
-    numerator (NS·BH·T·E·4 bytes, capped at ``PARTIAL_BYTES``, summed afterwards in a fixed
-    order: deterministic). Grows NS (powers of two, at most 8 and F) until the grid covers
-    the GPU's SMs; 1 on CPU (the interpreter).
+    SMs) the slices of one sequence run on NS SMs at once. Each group writes fp32 partials,
+    summed afterwards in a fixed order (deterministic): NS·BH·T·E·4 bytes of numerator in the
+    forward, NS·BH·T·(2·(E/BE)·F + E)·4 bytes of dA, dB, dC in the backward, capped together
+    at ``PARTIAL_BYTES``. Grows NS (powers of two, at most 8 and F) until the grid covers the
+    GPU's SMs; 1 on CPU (the interpreter).
     """
     if not square or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = bh * triton.cdiv(e, block_e(f, e, square=True, element_size=element_size))
+    ne = triton.cdiv(e, block_e(f, e, square=True, element_size=element_size))
+    per_group = bh * t * (2 * ne * f + e) * 4
     ns = 1
     while (
-        programs * ns < sms
+        bh * ne * ns < sms
         and 2 * ns <= min(MAX_SLICE_GROUPS, f)
-        and 2 * ns * bh * t * e * 4 <= PARTIAL_BYTES
+        and 2 * ns * per_group <= PARTIAL_BYTES
     ):
         ns *= 2
     return ns
