@@ -13,9 +13,12 @@ at F = E = 64, and storing them would cost more memory traffic than the whole co
 Plain: P (F, BE) and z (F,) stay in registers. Square: Φ is never formed; the state splits
 into F slices P_a = Σ_t B_ta B_t⊗C_t (F, BE) (a = first index of x⊗x), read as
 Σ_a A_a ∘ (A P_a) and updated as P_a += (B ∘ B_a)ᵀ C, each slice a tensor-core GEMM with
-inner dimension F or BT. The slices live in an fp32 scratch buffer (BH, F, F, E) that only
-this program touches (L2-resident: F·F·BE·4 bytes); z is Z = Σ BᵀB (F, F) in registers and
-read as the quadratic form rows A Z Aᵀ.
+inner dimension F or BT. The slices live in an fp32 scratch buffer (BH, F, F, E) whose
+columns only this program touches (L2-resident: F·F·BE·4 bytes; zeroed by the program, a
+``tl.debug_barrier`` after each block's stores); z is Z = Σ BᵀB (F, F) in registers and read
+as the quadratic form rows A Z Aᵀ. With few batch·heads the slices are split into NS groups
+over a third grid axis (``_config.slice_groups``): group g scans slices g·F/NS .. and writes
+its own fp32 partial numerator; group 0 also does the block-local part and the row sums.
 
 Precision: scores, states and sums accumulate in fp32; ``tl.dot`` takes operands in the
 input dtype (fp32 with ``input_precision="ieee"``, so no TF32 rounding on fp32 inputs).
