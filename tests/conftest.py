@@ -1,7 +1,14 @@
 """Shared test fixtures."""
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA the Triton kernels (polysketch.ops.triton) run in Triton's CPU interpreter;
+# triton reads TRITON_INTERPRET when a kernel is defined, so set it before any test imports.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tests run in parallel (pytest-xdist, one worker per core): one intra-op thread per worker
 # avoids oversubscription, which makes small ops 10-100x slower on a 2-core machine.

@@ -1,0 +1,103 @@
+"""Fused Triton kernels for causal (polynomial-sketch) linear attention (optional).
+
+``triton_lt_multiply_with_sums`` computes, for A, B (..., T, F) and C (..., T, E),
+
+    num = lt((A Bᵀ)^{∘q}) C   (..., T, E),      row_sums = lt((A Bᵀ)^{∘q}) 1   (..., T),
+
+q = 2 if ``square`` else 1, lt the causal lower triangle including the diagonal, by
+PolySketchFormer's block lower-triangular multiplication (Theorem 3.1) in fused kernels that
+never write the self-tensored features Φ(x) = x⊗x, scores or per-block states to HBM
+(``_forward``, ``_backward``); ``triton_decode_step`` is the fused one-token state update
+and read (``_decode``). Importable without triton: ``available()`` says whether the kernels
+can run, ``unsupported_reason`` whether they handle given inputs. On CPU they run under
+Triton's interpreter when ``TRITON_INTERPRET=1`` (slow; used by the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._validate import check_decode_inputs, check_inputs, interpreting
+
+__all__ = [
+    "available",
+    "unsupported_reason",
+    "decode_unsupported_reason",
+    "triton_lt_multiply_with_sums",
+    "triton_decode_step",
+]
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    """Whether ``import triton`` works (tried once, on first use: not at package import)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when triton is importable and kernels can run (CUDA, or ``TRITON_INTERPRET=1``)."""
+    return _triton_importable() and (torch.cuda.is_available() or interpreting())
+
+
+def unsupported_reason(a, b, c, *, square: bool) -> str | None:
+    """``None`` if the kernels handle A, B (..., T, F), C (..., T, E) with this ``square``,
+    else a sentence naming the argument and the limit (F in (16, 32, 64) squared, up to 256
+    plain; E in (32, 64, 128); fp32/bf16/fp16; one CUDA device, or CPU under the
+    interpreter; triton installed)."""
+    if not _triton_importable():
+        return "the Triton kernels need the triton package (pip install polysketch[triton])"
+    problem = check_inputs(a, b, c, square=square)
+    return None if problem is None else problem[1]
+
+
+def decode_unsupported_reason(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """``None`` if ``triton_decode_step`` handles these arguments, else a sentence naming the
+    argument (one token, F and E as ``unsupported_reason``, fp32 state of the
+    ``LinearAttentionState`` layout, no input requiring grad, one CUDA device)."""
+    if not _triton_importable():
+        return "the Triton kernels need the triton package (pip install polysketch[triton])"
+    problem = check_decode_inputs(phi_q, phi_k, v, numerator, denominator, square=square)
+    return None if problem is None else problem[1]
+
+
+def triton_lt_multiply_with_sums(a, b, c, *, square: bool, chunk_size: int = 64):
+    """num = lt((A Bᵀ)^{∘q}) C and row_sums = lt((A Bᵀ)^{∘q}) 1, q = 2 if ``square`` else 1.
+
+    Shapes: a, b (..., T, F), c (..., T, E), any leading dims, one dtype (fp32, bf16, fp16)
+    and device (non-contiguous inputs are copied) -> num (..., T, E) fp32, row_sums (..., T)
+    fp32. Any T >= 1 (the last block is masked). Differentiable w.r.t. a, b, c: the backward
+    recomputes from the inputs (memory O(T·(F + E)) plus one F²·E fp32 scratch state per
+    batch·head when square).
+
+    Kernels: one sequential pass over blocks per (batch·head, value tile[, slice group]),
+    state carried on chip (see ``_forward``, ``_backward``). ``chunk_size`` is the block
+    length BT of Theorem 3.1, rounded to the largest power of two <= chunk_size in [16, 64]
+    (32 for fp32 inputs: register budget) and no longer than T rounded up to a power of two.
+    Warps (4, 8) and pipeline stages (1, 2) are autotuned on the GPU; BT is not (it is the
+    caller's chunk_size). Errors: TypeError/ValueError naming the argument (see
+    ``unsupported_reason``).
+    """
+    from .function import lt_multiply_with_sums
+
+    return lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size)
+
+
+def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """One decoding step: N' = N + Φ(k)⊗v, Z' = Z + Φ(k), num = Φ(q)·N', den = Φ(q)·Z'.
+
+    Φ(x) = x, or x⊗x with ``square`` (never formed). Shapes: phi_q, phi_k (..., 1, F),
+    v (..., 1, E); numerator N (..., F, E) or (..., F, F, E), denominator Z (..., F) or
+    (..., F, F), fp32 (``LinearAttentionState`` layout) -> num (..., 1, E), den (..., 1),
+    N', Z' (new fp32 tensors; the inputs are not modified). The new token sees itself, as in
+    ``linear_attention_step(..., normalize=False)``. No autograd: inputs that require grad
+    are refused (ValueError).
+    """
+    from .function import decode_step
+
+    return decode_step(phi_q, phi_k, v, numerator, denominator, square=square)

@@ -1,0 +1,111 @@
+"""Block sizes and launch configurations of the Triton kernels.
+
+Register budget (H100: 64K 32-bit registers per SM, 255 per thread): the largest tensors a
+program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block
+scores (BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep
+F·BE <= 8192 and BT <= 64 so that no tile exceeds 32 KiB of registers and the operands
+staged in shared memory for ``tl.dot`` stay well under 100 KiB (BT·F·2 bytes for half A_n,
+B_n: 32 KiB at BT = 64, F = 256). Checked by compiling every kernel for sm_90 with triton
+3.9 without a GPU (``triton.compile`` + cuobjdump): shared memory 40-100 KiB per program;
+ptxas spills of tens to ~1000 bytes per thread remain in the largest backward configs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import interpreting
+
+__all__ = ["block_t", "block_e", "slice_groups", "tuned", "mma"]
+
+MIN_BLOCK = 16  # tl.dot needs every dim >= 16
+MAX_BLOCK = 64  # 128-row blocks: (128, 128) fp32 scores spilled registers (sm_90)
+STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
+OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
+MAX_SLICE_GROUPS = 8
+PARTIAL_BYTES = 256 * 2**20  # fp32 partials of the slice groups (``slice_groups``)
+FP32_BLOCK = 32
+"""BT and BE cap for fp32 inputs: exact fp32 ``tl.dot`` (``input_precision="ieee"``) runs on
+FMA units with its operands in registers; at 64-wide tiles ptxas (sm_90, triton 3.9) spilled
+10-20 KB per thread to local memory, at 32 far less. Half inputs use tensor cores."""
+
+
+def block_t(chunk_size: int, t: int, f: int, element_size: int) -> int:
+    """BT: the largest power of two <= ``chunk_size`` in [16, 64], with BT·F·element_size
+    <= 32 KiB (one operand tile A_n), at most 32 for fp32 inputs (``FP32_BLOCK``), and no
+    larger than T rounded up to a power of two (short calls: less masked work)."""
+    bt = 1 << (max(1, int(chunk_size)).bit_length() - 1)
+    cap = min(MAX_BLOCK, OPERAND_BYTES // (f * element_size))
+    if element_size == 4:
+        cap = min(cap, FP32_BLOCK)
+    bt = min(max(bt, MIN_BLOCK), cap)
+    return max(MIN_BLOCK, min(bt, triton.next_power_of_2(t)))
+
+
+def block_e(f: int, e: int, *, square: bool, element_size: int) -> int:
+    """BE: the value columns per program (E is split in tiles over the grid's second axis);
+    at most 32 for fp32 inputs (``FP32_BLOCK``)."""
+    be = min(e, 64) if square else min(e, max(32, STATE_ELEMENTS // f))
+    return min(be, FP32_BLOCK) if element_size == 4 else be
+
+
+def slice_groups(
+    bh: int, t: int, f: int, e: int, device: torch.device, *, square: bool, element_size: int
+) -> int:
+    """NS, the groups the F square-state slices are split into across programs (1 when plain).
+
+    The grid is (BH, E/BE, NS): with few batch·heads (B = 1, H = 12: 12 programs on 132
+    SMs) the slices of one sequence run on NS SMs at once. Each group writes fp32 partials,
+    summed afterwards in a fixed order (deterministic): NS·BH·T·E·4 bytes of numerator in the
+    forward, NS·BH·T·(2·(E/BE)·F + E)·4 bytes of dA, dB, dC in the backward, capped together
+    at ``PARTIAL_BYTES``. Grows NS (powers of two, at most 8 and F) until the grid covers the
+    GPU's SMs; 1 on CPU (the interpreter).
+    """
+    if not square or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ne = triton.cdiv(e, block_e(f, e, square=True, element_size=element_size))
+    per_group = bh * t * (2 * ne * f + e) * 4
+    ns = 1
+    while (
+        bh * ne * ns < sms
+        and 2 * ns <= min(MAX_SLICE_GROUPS, f)
+        and 2 * ns * per_group <= PARTIAL_BYTES
+    ):
+        ns *= 2
+    return ns
+
+
+def tuned():
+    """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
+    nothing under the interpreter (one plain launch with 4 warps, nothing to time).
+
+    The kernels zero their own scratch state, so timed runs need no reset between them.
+    """
+
+    def wrap(kernel):
+        if interpreting():
+            return kernel
+        configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+        return triton.autotune(configs=configs, key=["F", "E", "BT", "BE", "SQUARE", "NS"])(kernel)
+
+    return wrap
+
+
+INTERPRET_UPCAST = tl.constexpr(interpreting())
+"""Under the interpreter, ``mma`` multiplies in fp32: triton 3.9's interpreter returns garbage
+for ``tl.dot`` on bfloat16 operands. The product of two half values is exact in fp32, so
+this is the arithmetic of the compiled half-precision ``tl.dot`` with fp32 accumulation (up to
+the summation order)."""
+
+
+@triton.jit
+def mma(x, y, PRECISION: tl.constexpr):
+    """``tl.dot(x, y)`` with fp32 accumulation; operands of one dtype, every dim >= 16."""
+    if INTERPRET_UPCAST:
+        out = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(x, y, input_precision=PRECISION)
+    return out

@@ -1,0 +1,78 @@
+"""The autograd op over the Triton kernels: lt((A Bᵀ)^{∘q}) C and its row sums.
+
+Imported lazily by ``polysketch.ops.triton`` (it imports triton and defines the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backward import backward
+from ._config import block_t, slice_groups
+from ._decode import decode
+from ._forward import forward
+from ._validate import check_decode_inputs, check_inputs
+
+__all__ = ["lt_multiply_with_sums", "decode_step"]
+
+
+class _LtMultiplyWithSums(torch.autograd.Function):
+    """(num, row_sums) of flattened contiguous A, B (BH, T, F), C (BH, T, E); the backward
+    recomputes everything from the saved inputs (no state, score or feature is stored)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, square, bt, ns):
+        num, rs = forward(a, b, c, square=square, bt=bt, ns=ns)
+        ctx.save_for_backward(a, b, c)
+        ctx.square, ctx.bt, ctx.ns = square, bt, ns
+        return num, rs
+
+    @staticmethod
+    def backward(ctx, dnum, drow):
+        a, b, c = ctx.saved_tensors
+        da, db, dc = backward(a, b, c, dnum, drow, square=ctx.square, bt=ctx.bt, ns=ctx.ns)
+        return da.to(a.dtype), db.to(b.dtype), dc.to(c.dtype), None, None, None
+
+
+def _raise(problem) -> None:
+    if problem is not None:
+        kind, sentence = problem
+        raise kind(sentence)
+
+
+def lt_multiply_with_sums(
+    a, b, c, *, square: bool, chunk_size: int = 64, groups: int | None = None
+):
+    """See ``polysketch.ops.triton.triton_lt_multiply_with_sums``; ``groups`` overrides the
+    number of slice groups NS of the square state (``_config.slice_groups``; tests)."""
+    _raise(check_inputs(a, b, c, square=square))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    lead, t, f, e = a.shape[:-2], a.shape[-2], a.shape[-1], c.shape[-1]
+    flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
+    bh = flat[0].shape[0]
+    if groups is None:
+        groups = slice_groups(bh, t, f, e, a.device, square=square, element_size=a.element_size())
+    elif not (square and isinstance(groups, int) and groups >= 1 and f % groups == 0):
+        raise ValueError(f"groups must divide F={f} (square only), got {groups!r}")
+    bt = block_t(chunk_size, t, f, a.element_size())
+    num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups)
+    return num.reshape(*lead, t, e), rs.reshape(*lead, t)
+
+
+def decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """See ``polysketch.ops.triton.triton_decode_step``."""
+    _raise(check_decode_inputs(phi_q, phi_k, v, numerator, denominator, square=square))
+    lead, f, e = phi_q.shape[:-2], phi_q.shape[-1], v.shape[-1]
+    fs = (f, f) if square else (f,)
+    q, k = (x.reshape(-1, f).contiguous() for x in (phi_q, phi_k))
+    vv = v.reshape(-1, e).contiguous()
+    n = numerator.reshape(-1, *fs, e).contiguous()
+    z = denominator.reshape(-1, *fs).contiguous()
+    num, den, n2, z2 = decode(q, k, vv, n, z, square=square)
+    return (
+        num.reshape(*lead, 1, e),
+        den.reshape(*lead, 1),
+        n2.reshape(*lead, *fs, e),
+        z2.reshape(*lead, *fs),
+    )

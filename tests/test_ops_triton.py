@@ -1,0 +1,267 @@
+"""Triton kernels of causal linear attention (polysketch.ops.triton) under the interpreter.
+
+Without CUDA, conftest sets TRITON_INTERPRET=1 and the kernels run on CPU (slow: small
+shapes). References: ``naive_linear_attention(..., normalize=False)`` in fp64 on the same
+inputs (row sums: the numerator of a ones column); half precision is judged against the
+error of a naive reference computed entirely in the same half dtype (flash-attention's rule).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import polysketch  # noqa: E402
+from conftest import rel_err  # noqa: E402
+from polysketch.ops import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
+from polysketch.ops.naive import naive_linear_attention  # noqa: E402
+from polysketch.ops.triton import (  # noqa: E402
+    available,
+    decode_unsupported_reason,
+    triton_decode_step,
+    triton_lt_multiply_with_sums,
+    unsupported_reason,
+)
+from polysketch.ops.triton.function import lt_multiply_with_sums  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(lead, t, f, e, dtype=torch.float32, *, square):
+    a, b, c = (torch.randn(*lead, t, x, device=DEVICE) for x in (f, f, e))
+    if square:  # keep (A·B)² of order one
+        a, b = a * f**-0.5 * 2, b * f**-0.5 * 2
+    return tuple(x.to(dtype) for x in (a, b, c))
+
+
+def _naive64(a, b, c, square):
+    a, b, c = (x.double() for x in (a, b, c))
+    num = naive_linear_attention(a, b, c, causal=True, square=square, normalize=False)
+    ones = torch.ones_like(c[..., :1])
+    rs = naive_linear_attention(a, b, ones, causal=True, square=square, normalize=False)
+    return num, rs[..., 0]
+
+
+def _naive_same_dtype(a, b, c, square):
+    """Naive (num, row_sums) with every matmul and sum in the inputs' dtype (no upcast)."""
+    t = a.shape[-2]
+    s = a @ b.transpose(-1, -2)
+    if square:
+        s = s * s
+    keep = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
+    s = torch.where(keep, s, s.new_zeros(()))
+    return s @ c, s.sum(-1)
+
+
+def _kernel(a, b, c, square, groups=None, **kw):
+    """The public op, or with ``groups`` the square state's slices split over that many
+    programs (on a GPU chosen from the SM count; always 1 on CPU)."""
+    if groups is not None:
+        return lt_multiply_with_sums(a, b, c, square=square, groups=groups, **kw)
+    return triton_lt_multiply_with_sums(a, b, c, square=square, **kw)
+
+
+def _values_and_grads(fn, a, b, c, square, wn, wr, dtype, **kw):
+    """(num, row_sums, da, db, dc) of the loss Σ wn∘num + Σ wr∘row_sums, inputs in dtype."""
+    a, b, c = (x.detach().to(dtype).requires_grad_() for x in (a, b, c))
+    num, rs = fn(a, b, c, square, **kw)
+    loss = (num * wn.to(num.dtype)).sum() + (rs * wr.to(rs.dtype)).sum()
+    loss.backward()
+    return [num.detach(), rs.detach(), a.grad, b.grad, c.grad]
+
+
+NAMES = ("num", "row_sums", "da", "db", "dc")
+
+FP32_CASES = [  # (square, F, E, T, lead, chunk_size, slice groups)
+    *[(False, 16, 32, t, (2, 3), 64, None) for t in (1, 17, 64, 65, 130)],
+    (False, 64, 64, 65, (2, 3), 64, None),
+    (False, 64, 32, 97, (2,), 16, None),  # 7 blocks of 16: the carried state over many blocks
+    (False, 128, 128, 33, (2,), 64, None),  # two value tiles: partial dA, dB summed
+    *[(True, 16, 32, t, (2, 3), 64, None) for t in (1, 17, 64, 65, 130)],
+    (True, 32, 64, 65, (2,), 64, None),
+    (True, 32, 32, 50, (2,), 16, 4),  # slices split over 4 programs: partials summed
+    (True, 16, 128, 40, (2,), 16, 2),  # two value tiles and two slice groups
+]
+
+
+@pytest.mark.parametrize("square,f,e,t,lead,chunk,groups", FP32_CASES)
+def test_fp32_outputs_and_gradients_match_naive(square, f, e, t, lead, chunk, groups):
+    a, b, c = _inputs(lead, t, f, e, square=square)
+    wn, wr = torch.randn(*lead, t, e, device=DEVICE), torch.randn(*lead, t, device=DEVICE)
+    kw = {"chunk_size": chunk, "groups": groups}
+    got = _values_and_grads(_kernel, a, b, c, square, wn, wr, torch.float32, **kw)
+    ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert got[0].shape == (*lead, t, e) and got[1].shape == (*lead, t)
+    for name, x, y in zip(NAMES, got, ref, strict=True):
+        assert rel_err(x.double(), y) <= 1e-4, name
+
+
+HALF_CASES = [(False, 16, 32, 65), (True, 16, 32, 130), (True, 32, 64, 65), (False, 64, 64, 130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("square,f,e,t", HALF_CASES)
+def test_half_precision_within_twice_the_same_dtype_naive_error(dtype, square, f, e, t):
+    # the same inputs for all three: rounded to the half dtype first
+    a, b, c = (x.to(torch.float32) for x in _inputs((2,), t, f, e, dtype, square=square))
+    wn = torch.randn(2, t, e, device=DEVICE).to(dtype).float()
+    wr = torch.randn(2, t, device=DEVICE).to(dtype).float()
+    got = _values_and_grads(_kernel, a, b, c, square, wn, wr, dtype)
+    half = _values_and_grads(_naive_same_dtype, a, b, c, square, wn, wr, dtype)
+    ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
+    for name, x, h, y in zip(NAMES, got, half, ref, strict=True):
+        if name.startswith("d"):
+            assert x.dtype == dtype, name
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x.double(), y) <= 2 * rel_err(h.double(), y), name
+
+
+@pytest.mark.parametrize("square,groups", [(False, None), (True, None), (True, 2)])
+def test_causal_outputs_before_t_are_bit_identical(square, groups):
+    t, cut = 130, 70  # cut inside the second block: the masked local part and the states
+    a, b, c = _inputs((2,), t, 16, 32, square=square)
+    num, rs = _kernel(a, b, c, square, groups)
+    a2, b2, c2 = (x.clone() for x in (a, b, c))
+    for x in (a2, b2, c2):
+        x[..., cut + 1 :, :] = torch.randn_like(x[..., cut + 1 :, :]) * 50
+    num2, rs2 = _kernel(a2, b2, c2, square, groups)
+    assert torch.equal(num[..., : cut + 1, :], num2[..., : cut + 1, :])
+    assert torch.equal(rs[..., : cut + 1], rs2[..., : cut + 1])
+    assert not torch.equal(num[..., cut + 1 :, :], num2[..., cut + 1 :, :])
+
+
+def test_leading_dims_and_non_contiguous_inputs():
+    a, b, c = _inputs((3, 2), 40, 16, 32, square=True)
+    at, bt, ct = (x.transpose(0, 1) for x in (a, b, c))  # (2, 3, T, ·), not contiguous
+    num, rs = _kernel(at, bt, ct, True)
+    ref_num, ref_rs = _naive64(at, bt, ct, True)
+    assert num.shape == (2, 3, 40, 32) and rs.shape == (2, 3, 40)
+    assert rel_err(num.double(), ref_num) <= 1e-5 and rel_err(rs.double(), ref_rs) <= 1e-5
+
+
+def test_backward_saves_only_the_inputs():
+    a, b, c = (x.requires_grad_() for x in _inputs((2,), 65, 32, 32, square=True))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        _kernel(a, b, c, True)
+    assert sum(x.numel() for x in saved) == a.numel() + b.numel() + c.numel()
+
+
+@pytest.mark.parametrize("square,f,e", [(False, 16, 32), (True, 16, 32), (True, 32, 64)])
+def test_decode_step_matches_full_computation(square, f, e):
+    t = 21
+    q, k, v = _inputs((2, 3), t, f, e, square=square)
+    _, prefix = linear_attention(
+        q[..., :-1, :], k[..., :-1, :], v[..., :-1, :], causal=True, square=square,
+        normalize=False, return_state=True,
+    )  # fmt: skip
+    assert isinstance(prefix, LinearAttentionState)
+    last = (x[..., -1:, :] for x in (q, k, v))
+    num, den, n2, z2 = triton_decode_step(
+        *last, prefix.numerator, prefix.denominator, square=square
+    )
+    ref_num, ref_rs = _naive64(q, k, v, square)
+    assert num.shape == (2, 3, 1, e) and den.shape == (2, 3, 1)
+    assert rel_err(num.double(), ref_num[..., -1:, :]) <= 1e-5
+    assert rel_err(den.double(), ref_rs[..., -1:]) <= 1e-5
+    step_out, state = linear_attention_step(
+        q[..., -1:, :], k[..., -1:, :], v[..., -1:, :], prefix, square=square, normalize=False
+    )
+    assert rel_err(num, step_out) <= 1e-5
+    assert rel_err(n2, state.numerator) <= 1e-6 and rel_err(z2, state.denominator) <= 1e-6
+    assert not torch.equal(n2, prefix.numerator)  # a new tensor, the input untouched
+
+
+def test_decode_step_half_inputs_and_fp32_state():
+    q, k, v = _inputs((2,), 1, 16, 32, torch.bfloat16, square=True)
+    n, z = torch.randn(2, 16, 16, 32, device=DEVICE), torch.randn(2, 16, 16, device=DEVICE)
+    num, den, n2, z2 = triton_decode_step(q, k, v, n, z, square=True)
+    qf, kf, vf = (x.float()[:, 0] for x in (q, k, v))
+    ref_n = n + torch.einsum("bf,bg,be->bfge", kf, kf, vf)
+    assert n2.dtype == torch.float32 and rel_err(n2, ref_n) <= 1e-6
+    assert rel_err(num[:, 0], torch.einsum("bf,bg,bfge->be", qf, qf, ref_n)) <= 1e-5
+    ref_z = z + torch.einsum("bf,bg->bfg", kf, kf)
+    assert rel_err(den[:, 0], torch.einsum("bf,bg,bfg->b", qf, qf, ref_z)) <= 1e-5
+
+
+def test_available_and_supported_inputs():
+    assert available()
+    a, b, c = _inputs((2,), 8, 16, 32, square=True)
+    assert unsupported_reason(a, b, c, square=True) is None
+    a64, b64, c32 = _inputs((2,), 8, 128, 32, square=False)
+    assert unsupported_reason(a64, b64, c32, square=False) is None
+    reason = unsupported_reason(a64, b64, c32, square=True)
+    assert "F" in reason and "square=True" in reason
+
+
+@pytest.mark.parametrize(
+    "change,kind,words",
+    [
+        (lambda a, b, c: (a[..., :24], b[..., :24], c), ValueError, "feature dim F"),
+        (lambda a, b, c: (a, b, c[..., :48]), ValueError, "c must have a value dim E"),
+        (lambda a, b, c: (a, b[..., :4, :], c), ValueError, "a and b must have the same shape"),
+        (lambda a, b, c: (a, b, c[..., :4, :]), ValueError, "c must have shape"),
+        (lambda a, b, c: (a.double(), b.double(), c.double()), TypeError, "a must be float32"),
+        (lambda a, b, c: (a, b.half(), c), TypeError, "share one dtype"),
+        (lambda a, b, c: (a[0, 0], b, c), ValueError, "a must have shape"),
+        (lambda a, b, c: (a.numpy(), b, c), TypeError, "a must be a torch.Tensor"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, kind, words):
+    a, b, c = _inputs((2,), 8, 32, 64, square=True)
+    with pytest.raises(kind, match=words):
+        _kernel(*change(a, b, c), True)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: CPU tensors are refused regardless of the interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    a, b, c = _inputs((2,), 8, 16, 32, square=False)
+    with pytest.raises(ValueError, match="a must be on a CUDA device"):
+        _kernel(a, b, c, False)
+    assert "CUDA" in unsupported_reason(a, b, c, square=False)
+
+
+def test_bad_arguments_of_the_op_and_the_decode_step():
+    a, b, c = _inputs((2,), 8, 16, 32, square=True)
+    with pytest.raises(TypeError, match="square must be a bool"):
+        triton_lt_multiply_with_sums(a, b, c, square=1)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        triton_lt_multiply_with_sums(a, b, c, square=True, chunk_size=0)
+    with pytest.raises(ValueError, match="groups must divide F=16"):
+        lt_multiply_with_sums(a, b, c, square=True, groups=3)
+    q, k, v = (x[..., :1, :] for x in (a, b, c))
+    n, z = torch.zeros(2, 16, 16, 32, device=DEVICE), torch.zeros(2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="phi_q requires grad"):
+        triton_decode_step(q.requires_grad_(), k, v, n, z, square=True)
+    with pytest.raises(ValueError, match="numerator must have shape"):
+        triton_decode_step(q.detach(), k, v, n[..., :8, :], z, square=True)
+    with pytest.raises(TypeError, match="denominator must be float32"):
+        triton_decode_step(q.detach(), k, v, n, z.double(), square=True)
+    with pytest.raises(ValueError, match=r"phi_k must have shape \(\.\.\., 1, dim\)"):
+        triton_decode_step(q.detach(), b, v, n, z, square=True)
+    assert decode_unsupported_reason(q.detach(), k, v, n, z, square=True) is None
+    assert "F in (16, 32, 64)" in decode_unsupported_reason(
+        q[..., :8].detach(), k[..., :8], v, n, z, square=True
+    )
+
+
+def test_package_imports_and_refuses_cleanly_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import torch, polysketch.ops.triton as t\n"
+        "x = torch.zeros(1, 4, 16)\n"
+        "assert not t.available()\n"
+        "assert 'pip install polysketch[triton]' in t.unsupported_reason(x, x, x, square=False)\n"
+    )
+    src = str(Path(polysketch.__file__).parents[1])  # this checkout's package, not another
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
