@@ -1,8 +1,8 @@
 """Which implementation of causal ``linear_attention`` runs: ``algorithm=`` and the device.
 
-    "chunked"         -> "triton" on CUDA when the fused kernels are importable and support the
-                         call (no initial/returned state, supported F and E, not inside
-                         torch.compile), else
+    "chunked"         -> "triton" on CUDA for bf16/fp16 when the fused kernels are importable
+                         and support the call (no initial/returned state, supported F and E,
+                         not inside torch.compile), else
                          "chunked_blocks" on any accelerator, "chunked_scan" on CPU
     "chunked_scan"    the CPU layout: groups of blocks under a byte budget (``ops.chunked``);
                       with gradients, the recomputing ``ops.blocks`` function over the same groups
@@ -79,7 +79,8 @@ def resolve_algorithm(
         return algorithm
     if a.device.type == "cpu":
         return "chunked_scan"
-    if a.device.type == "cuda" and not with_state and not torch.compiler.is_compiling():
+    half = a.dtype in (torch.bfloat16, torch.float16)  # fp32 kernels spill registers
+    if a.device.type == "cuda" and half and not with_state and not torch.compiler.is_compiling():
         # eager calls take the fused kernels; a compiled graph takes chunked_blocks, which
         # inductor fuses itself (no opaque kernel in the graph)
         backend = triton_backend()

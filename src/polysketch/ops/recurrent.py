@@ -172,7 +172,11 @@ def _fused_step(phi_q, phi_k, v, state, square, normalize, offset, key_padding_m
     ):  # fmt: skip
         return None
     backend = triton_backend()
-    if backend is None or backend.unsupported_reason(phi_q, phi_k, v, square=square):
+    if backend is None:
+        return None
+    if backend.decode_unsupported_reason(
+        phi_q, phi_k, v, state.numerator, state.denominator, square=square
+    ):
         return None
     check_qkv(phi_q, phi_k, v, causal=True)
     offset, eps = check_float(offset, "denominator_offset"), check_float(eps, "eps", minimum=0.0)
