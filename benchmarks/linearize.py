@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from polysketch.commands.linearize import linearize_saved, plot_results, write_csv, write_json
+from polysketch.commands.train import parse_map_kwargs
 from polysketch.data.corpus import load_corpus
 from polysketch.train.batches import CorpusBatches
 
@@ -98,10 +99,17 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--attentions", nargs="+", default=["psf_mixed", "psf_learned"])
+    p.add_argument("--attentions", nargs="+",
+                   default=["psf_mixed", "psf_mixed:degree=8", "psf_learned"],
+                   help="NAME or NAME:key=value,key=value (feature-map / preset keywords)")
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                   help="also fine-tune the softmax model itself with the whole budget")
     p.add_argument("--budget", type=float, default=0.10, help="fraction of pretraining tokens")
     p.add_argument("--transfer-fraction", type=float, default=0.3,
-                   help="share of the linearization steps spent on attention transfer")
+                   help="share of the token budget spent on attention transfer")
+    p.add_argument("--transfer-batch-size", type=int, default=2)
+    p.add_argument("--transfer-lr", type=float, default=1e-2)
+    p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--finetune", choices=["lora", "full"], default="full")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
@@ -115,17 +123,29 @@ def main(argv=None) -> int:
     if args.stage == "pretrain":
         return 0
     base = json.loads((args.work / "pretrain.json").read_text())
-    total_steps = int(args.budget * base["tokens"]) // (args.batch_size * args.seq_len)
-    transfer_steps = max(1, round(args.transfer_fraction * total_steps))
-    finetune_steps = total_steps - transfer_steps
+    budget = int(args.budget * base["tokens"])
+    transfer_steps = int(args.transfer_fraction * budget) // (args.transfer_batch_size * args.seq_len)
+    transfer_tokens = transfer_steps * args.transfer_batch_size * args.seq_len
+    finetune_steps = (budget - transfer_tokens) // (args.batch_size * args.seq_len)
+    specs = [("softmax", {})] if args.control else []
+    for item in args.attentions:
+        name, _, kws = item.partition(":")
+        specs.append((name, parse_map_kwargs(kws.split(",") if kws else [])))
     rows = []
-    for attention in args.attentions:
+    for attention, map_kwargs in specs:
+        control = attention == "softmax"
+        label = attention + "".join(f" {k}={v}" for k, v in map_kwargs.items())
         res = linearize_saved(
-            args.work / "base", attention, "shakespeare", out=args.work / attention,
-            seq_len=args.seq_len, batch_size=args.batch_size, transfer_steps=transfer_steps,
-            finetune_steps=finetune_steps, finetune=args.finetune, chunk_size=args.chunk_size,
-            seed=args.seed, progress=False,
+            args.work / "base", attention, "shakespeare",
+            out=args.work / label.replace(" ", "_").replace("=", "-"),
+            seq_len=args.seq_len, batch_size=args.batch_size,
+            transfer_batch_size=args.transfer_batch_size,
+            transfer_steps=0 if control else transfer_steps, transfer_lr=args.transfer_lr,
+            finetune_steps=budget // (args.batch_size * args.seq_len) if control else finetune_steps,
+            finetune_lr=args.finetune_lr, finetune=args.finetune, chunk_size=args.chunk_size,
+            seed=args.seed, map_kwargs=map_kwargs, progress=False,
         )  # fmt: skip
+        res["attention"] = "softmax (control: fine-tuned, not converted)" if control else label
         res["pretrain"] = base
         res["budget_fraction"] = (res["tokens_transfer"] + res["tokens_finetune"]) / base["tokens"]
         rows.append(res)

@@ -112,6 +112,25 @@ def test_cached_decoding_equals_full_forward(family, attention):
     assert (dec - full).abs().max() <= tol
 
 
+def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
+    model = tiny("llama")
+    convert(model, "psf_learned", mixed=True, degree=8, chunk_size=8)
+    core = model.model.layers[0].self_attn.polysketch
+    assert core.algorithm == "mixed" and core.degree == 8
+    x = ids(t=27)
+    y = x.clone()
+    y[:, 13:] = (y[:, 13:] + 1) % V
+    full = logits(model, x)
+    assert torch.equal(full[:, :13], logits(model, y)[:, :13])
+    cache = PolysketchCache(model)
+    with torch.no_grad():
+        parts = [model(input_ids=x[:, :10], past_key_values=cache).logits]
+        parts += [model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)]
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
+    with pytest.raises(ValueError, match="mixed"):
+        convert(model, "softmax", mixed=True)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("attention", ["psf_random", "psf_mixed"])
 def test_generate_equals_full_forward_greedy(family, attention):
@@ -128,6 +147,17 @@ def test_generate_equals_full_forward_greedy(family, attention):
             nxt = logits(model, seq)[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(out, seq)
+
+
+def test_softmax_conversion_generates_like_the_original():
+    model = _decisive(tiny("llama"))
+    prompt = ids(t=6)
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 10, "do_sample": False,
+          "pad_token_id": 0}  # fmt: skip
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        convert(model, "softmax")  # decodes from transformers' own KV cache
+        assert torch.equal(model.generate(prompt, **kw), ref)
 
 
 def test_generate_uses_constant_size_state():

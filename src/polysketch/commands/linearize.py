@@ -138,6 +138,7 @@ def linearize_saved(
     out,
     seq_len: int = 256,
     batch_size: int = 8,
+    transfer_batch_size: int | None = None,
     transfer_steps: int = 100,
     finetune_steps: int = 100,
     transfer_lr: float = 1e-2,
@@ -157,6 +158,7 @@ def linearize_saved(
 
     from ..data.corpus import load_corpus
     from ..integrations.transformers import LinearizeConfig, evaluate_loss, linearize, load_converted
+    from ..integrations.transformers.linearize import EVAL_BATCH
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,8 @@ def linearize_saved(
             f">= {corpus.vocab_size}"
         )
     cfg = LinearizeConfig(
-        seq_len=seq_len, batch_size=batch_size, transfer_steps=transfer_steps,
+        seq_len=seq_len, batch_size=batch_size, transfer_batch_size=transfer_batch_size,
+        transfer_steps=transfer_steps,
         transfer_lr=transfer_lr, finetune_steps=finetune_steps, finetune_lr=finetune_lr,
         finetune=finetune, lora_rank=lora_rank, eval_batches=eval_batches, seed=seed,
         progress=progress,
@@ -183,7 +186,7 @@ def linearize_saved(
     res["data"] = str(data)
     saved = _save_model_atomically(model, out / "model")
     reloaded = load_converted(saved)
-    ev = {"seq_len": seq_len, "batch_size": batch_size, "max_batches": eval_batches}
+    ev = {"seq_len": seq_len, "batch_size": EVAL_BATCH, "max_batches": eval_batches}
     res["loss_reloaded"] = evaluate_loss(reloaded, corpus.val, **ev)
     write_json([res], out / "results.json")
     write_csv([res], out / "results.csv")
@@ -219,6 +222,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("linearize-out"))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--transfer-batch-size", type=int, default=None,
+                   help="sequences per transfer step (default: --batch-size)")
     p.add_argument("--transfer-steps", type=int, default=100)
     p.add_argument("--transfer-lr", type=float, default=1e-2)
     p.add_argument("--finetune-steps", type=int, default=100)
@@ -248,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = linearize_saved(
             args.model, args.attention, args.data, out=args.out, seq_len=args.seq_len,
-            batch_size=args.batch_size, transfer_steps=args.transfer_steps,
+            batch_size=args.batch_size, transfer_batch_size=args.transfer_batch_size,
+            transfer_steps=args.transfer_steps,
             finetune_steps=args.finetune_steps, transfer_lr=args.transfer_lr,
             finetune_lr=args.finetune_lr, finetune=args.finetune, lora_rank=args.lora_rank,
             eval_batches=args.eval_batches, chunk_size=args.chunk_size, seed=args.seed,

@@ -66,7 +66,11 @@ class PolysketchAttention(nn.Module):
         scaling: the model's softmax scale (softmax random features use it as ``scale``).
         chunk_size: block of the chunked algorithm and of the mixed local blocks.
         qk_norm, denominator_offset: ``None`` = the preset / map default.
-        seed: base seed of the per-head maps. **map_kwargs: keywords of the feature map.
+        seed: base seed of the per-head maps.
+        mixed: with a feature-map name, use psf_mixed's form with that map: exact
+            (q·k)^degree inside blocks of ``chunk_size`` (degree = the map's ``degree``, else
+            4), the map for earlier blocks (``ops.mixed_attention``), e.g. a learnable map.
+        **map_kwargs: keywords of the feature map.
     """
 
     def __init__(
@@ -81,9 +85,12 @@ class PolysketchAttention(nn.Module):
         qk_norm: bool | None = None,
         denominator_offset: float | None = None,
         seed: int = 0,
+        mixed: bool = False,
         **map_kwargs,
     ):
         super().__init__()
+        if not isinstance(mixed, bool):
+            raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
         self.head_dim = check_positive_int(head_dim, "head_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
@@ -97,6 +104,13 @@ class PolysketchAttention(nn.Module):
         self.attention = spec.name
         self.algorithm = spec.algorithm
         self.degree = spec.degree
+        if mixed:  # exact (q·k)^p inside blocks, this map for earlier blocks (psf_mixed's form)
+            if spec.algorithm != "linear":
+                raise ValueError(
+                    f"mixed=True needs a feature-map attention, got attention={attention!r}"
+                )
+            self.algorithm = "mixed"
+            self.degree = check_positive_int(spec.map_kwargs.get("degree", 4), "degree")
         self.denominator_offset = float(spec.denominator_offset)
         self.q_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None

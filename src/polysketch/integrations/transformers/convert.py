@@ -93,11 +93,15 @@ def polysketch_settings(model: nn.Module) -> dict | None:
     return dict(settings) if settings else None
 
 
-def _check_settings(attention, chunk_size, seed, qk_norm, denominator_offset, map_kwargs) -> dict:
+def _check_settings(
+    attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
+) -> dict:
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
     if attention not in valid_attentions():
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
+    if not isinstance(mixed, bool):
+        raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
     if qk_norm is not None and not isinstance(qk_norm, bool):
         raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
     if denominator_offset is not None:
@@ -114,6 +118,7 @@ def _check_settings(attention, chunk_size, seed, qk_norm, denominator_offset, ma
         "seed": check_int(seed, "seed", minimum=0),
         "qk_norm": qk_norm,
         "denominator_offset": denominator_offset,
+        "mixed": mixed,
         "map_kwargs": dict(map_kwargs),
     }
 
@@ -126,6 +131,7 @@ def convert(
     seed: int = 0,
     qk_norm: bool | None = None,
     denominator_offset: float | None = None,
+    mixed: bool = False,
     **map_kwargs,
 ) -> nn.Module:
     """Replace the self-attention of ``model`` (in place) by polysketch attention; returns it.
@@ -142,13 +148,17 @@ def convert(
             presets, off for softmax and softmax random features, which use the model's
             ``scaling`` as their temperature).
         denominator_offset: the normalizer's offset (None: 1 for polynomial kernels, else 0).
+        mixed: with a feature-map name, psf_mixed's form with that map: exact (q·k)^degree
+            inside blocks of ``chunk_size``, the map (e.g. a learnable one) for earlier blocks.
         **map_kwargs: keywords of the feature map (e.g. ``num_features=64``).
 
     The new parameters (q/k norms, learnable maps) are created in the dtype and on the device
     of the attention module's weights. A converted model can be converted again (the old
     polysketch modules are replaced).
     """
-    settings = _check_settings(attention, chunk_size, seed, qk_norm, denominator_offset, map_kwargs)
+    settings = _check_settings(
+        attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
+    )
     modules = attention_modules(model)
     config = model.config.get_text_config(decoder=True)
     num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
@@ -165,6 +175,7 @@ def convert(
             qk_norm=settings["qk_norm"],
             denominator_offset=settings["denominator_offset"],
             seed=settings["seed"],
+            mixed=settings["mixed"],
             **settings["map_kwargs"],
         )
         if "polysketch" in module._modules:
@@ -239,6 +250,7 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
         seed=settings["seed"],
         qk_norm=settings["qk_norm"],
         denominator_offset=settings["denominator_offset"],
+        mixed=settings.get("mixed", False),
         **settings["map_kwargs"],
     )
     tensors = _checkpoint_tensors(path)

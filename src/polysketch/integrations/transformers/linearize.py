@@ -40,7 +40,11 @@ __all__ = [
     "finetune",
     "linearize",
     "trainable_attention_parameters",
+    "EVAL_BATCH",
 ]
+
+EVAL_BATCH = 8
+"""Windows per evaluation batch: the validation set is ``eval_batches · EVAL_BATCH`` windows."""
 
 LORA_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -53,7 +57,11 @@ LORA_TARGETS = {
 
 @dataclass
 class LinearizeConfig:
-    """Budgets and optimizer settings of ``linearize`` (tokens = steps · batch_size · seq_len).
+    """Budgets and optimizer settings of ``linearize`` (tokens = steps · batch · seq_len).
+
+    transfer_batch_size: sequences per attention-transfer step (None: ``batch_size``); the
+    transfer loss is dense (every position of every layer), so smaller batches and more
+    steps use a token budget better.
 
     finetune: "lora" (peft adapters on the attention projections + the added modules,
     merged after training), "full" (every weight) or "none".
@@ -61,6 +69,7 @@ class LinearizeConfig:
 
     seq_len: int = 256
     batch_size: int = 8
+    transfer_batch_size: int | None = None
     transfer_steps: int = 100
     transfer_lr: float = 1e-2
     finetune_steps: int = 100
@@ -75,6 +84,9 @@ class LinearizeConfig:
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "lora_rank", "eval_batches"):
             setattr(self, name, check_positive_int(getattr(self, name), name))
+        if self.transfer_batch_size is None:
+            self.transfer_batch_size = self.batch_size
+        self.transfer_batch_size = check_positive_int(self.transfer_batch_size, "transfer_batch_size")
         for name in ("transfer_steps", "finetune_steps", "seed"):
             setattr(self, name, check_int(getattr(self, name), name, minimum=0))
         for name in ("transfer_lr", "finetune_lr"):
@@ -83,8 +95,8 @@ class LinearizeConfig:
         if self.finetune not in ("lora", "full", "none"):
             raise ValueError(f"finetune must be 'lora', 'full' or 'none', got {self.finetune!r}")
 
-    def tokens(self, steps: int) -> int:
-        return steps * self.batch_size * self.seq_len
+    def tokens(self, steps: int, batch_size: int | None = None) -> int:
+        return steps * (self.batch_size if batch_size is None else batch_size) * self.seq_len
 
 
 def _cores(model: nn.Module) -> list[PolysketchAttention]:
@@ -314,7 +326,7 @@ def linearize(
     if not isinstance(cfg, LinearizeConfig):
         raise TypeError(f"config must be a LinearizeConfig, got {type(cfg).__name__}")
     attention_modules(model)  # fail early on unsupported models
-    ev = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "max_batches": cfg.eval_batches}
+    ev = {"seq_len": cfg.seq_len, "batch_size": EVAL_BATCH, "max_batches": cfg.eval_batches}
     res: dict = {"attention": attention, "config": asdict(cfg)}
     t0 = time.perf_counter()
     res["loss_original"] = evaluate_loss(model, val_tokens, **ev)
@@ -322,7 +334,8 @@ def linearize(
     res["loss_converted"] = evaluate_loss(model, val_tokens, **ev)
     res["transfer_history"] = attention_transfer(
         model, train_tokens, steps=cfg.transfer_steps, seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size, lr=cfg.transfer_lr, seed=cfg.seed, progress=cfg.progress,
+        batch_size=cfg.transfer_batch_size, lr=cfg.transfer_lr, seed=cfg.seed,
+        progress=cfg.progress,
     )  # fmt: skip
     res["loss_transfer"] = evaluate_loss(model, val_tokens, **ev)
     ft_steps = 0 if cfg.finetune == "none" else cfg.finetune_steps
@@ -334,7 +347,7 @@ def linearize(
     res["loss_finetune"] = evaluate_loss(model, val_tokens, **ev)
     for stage in ("original", "converted", "transfer", "finetune"):
         res[f"ppl_{stage}"] = math.exp(res[f"loss_{stage}"])
-    res["tokens_transfer"] = cfg.tokens(len(res["transfer_history"]))
+    res["tokens_transfer"] = cfg.tokens(len(res["transfer_history"]), cfg.transfer_batch_size)
     res["tokens_finetune"] = cfg.tokens(ft_steps)
     res["decode_state"] = [decode_state_floats(model, t) for t in (cfg.seq_len, 65536)]
     res["seconds"] = time.perf_counter() - t0
