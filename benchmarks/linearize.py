@@ -56,7 +56,8 @@ def pretrain(work: Path, *, steps: int, batch_size: int, seq_len: int, lr: float
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))),
     )
     t0 = time.perf_counter()
     model.train()
@@ -70,7 +71,11 @@ def pretrain(work: Path, *, steps: int, batch_size: int, seq_len: int, lr: float
         opt.step()
         sched.step()
         if step % 25 == 0 or step == steps - 1:
-            print(f"pretrain step {step:4d} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"pretrain step {step:4d} loss {loss.item():.4f} "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     seconds = time.perf_counter() - t0
     model.eval()
     val = evaluate_loss(model, corpus.val, seq_len=seq_len, batch_size=8, max_batches=16)
@@ -96,17 +101,29 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--stage", choices=["pretrain", "linearize", "all"], default="all")
     p.add_argument("--pretrain-steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--pretrain-batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4, help="fine-tune batch (sequences)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--attentions", nargs="+",
-                   default=["psf_mixed", "psf_mixed:degree=8", "psf_learned"],
-                   help="NAME or NAME:key=value,key=value (feature-map / preset keywords)")
-    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
-                   help="also fine-tune the softmax model itself with the whole budget")
+    p.add_argument(
+        "--attentions",
+        nargs="+",
+        default=["psf_mixed", "psf_mixed:degree=8", "psf_learned"],
+        help="NAME or NAME:key=value,key=value (feature-map / preset keywords)",
+    )
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also fine-tune the softmax model itself with the whole budget",
+    )
     p.add_argument("--budget", type=float, default=0.10, help="fraction of pretraining tokens")
-    p.add_argument("--transfer-fraction", type=float, default=0.3,
-                   help="share of the token budget spent on attention transfer")
+    p.add_argument(
+        "--transfer-fraction",
+        type=float,
+        default=0.3,
+        help="share of the token budget spent on attention transfer",
+    )
     p.add_argument("--transfer-batch-size", type=int, default=2)
     p.add_argument("--transfer-lr", type=float, default=1e-2)
     p.add_argument("--finetune-lr", type=float, default=1e-3)
@@ -118,19 +135,28 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.stage in ("pretrain", "all"):
-        pretrain(args.work, steps=args.pretrain_steps, batch_size=args.batch_size,
-                 seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+        pretrain(
+            args.work,
+            steps=args.pretrain_steps,
+            batch_size=args.pretrain_batch_size,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            seed=args.seed,
+        )
     if args.stage == "pretrain":
         return 0
     base = json.loads((args.work / "pretrain.json").read_text())
     budget = int(args.budget * base["tokens"])
-    transfer_steps = int(args.transfer_fraction * budget) // (args.transfer_batch_size * args.seq_len)
+    transfer_steps = int(args.transfer_fraction * budget) // (
+        args.transfer_batch_size * args.seq_len
+    )
     transfer_tokens = transfer_steps * args.transfer_batch_size * args.seq_len
     finetune_steps = (budget - transfer_tokens) // (args.batch_size * args.seq_len)
     specs = [("softmax", {})] if args.control else []
     for item in args.attentions:
         name, _, kws = item.partition(":")
         specs.append((name, parse_map_kwargs(kws.split(",") if kws else [])))
+    all_steps = budget // (args.batch_size * args.seq_len)
     rows = []
     for attention, map_kwargs in specs:
         control = attention == "softmax"
@@ -141,7 +167,7 @@ def main(argv=None) -> int:
             seq_len=args.seq_len, batch_size=args.batch_size,
             transfer_batch_size=args.transfer_batch_size,
             transfer_steps=0 if control else transfer_steps, transfer_lr=args.transfer_lr,
-            finetune_steps=budget // (args.batch_size * args.seq_len) if control else finetune_steps,
+            finetune_steps=all_steps if control else finetune_steps,
             finetune_lr=args.finetune_lr, finetune=args.finetune, chunk_size=args.chunk_size,
             seed=args.seed, map_kwargs=map_kwargs, progress=False,
         )  # fmt: skip
@@ -149,7 +175,10 @@ def main(argv=None) -> int:
         res["pretrain"] = base
         res["budget_fraction"] = (res["tokens_transfer"] + res["tokens_finetune"]) / base["tokens"]
         rows.append(res)
-        print(json.dumps({k: v for k, v in res.items() if not k.endswith("history")}, indent=1), flush=True)
+        print(
+            json.dumps({k: v for k, v in res.items() if not k.endswith("history")}, indent=1),
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "linearize.csv")
     write_json(rows, args.out / "linearize.json")

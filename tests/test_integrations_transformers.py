@@ -125,7 +125,9 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     cache = PolysketchCache(model)
     with torch.no_grad():
         parts = [model(input_ids=x[:, :10], past_key_values=cache).logits]
-        parts += [model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)]
+        parts += [
+            model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)
+        ]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     with pytest.raises(ValueError, match="mixed"):
         convert(model, "softmax", mixed=True)
@@ -197,7 +199,9 @@ def test_padding_left_padded_sequence_matches_unpadded():
     x = ids(b=1, t=20)
     pad = 5
     xp = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], dim=1)
-    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones(1, 20, dtype=torch.long)], 1)
+    mask = torch.cat(
+        [torch.zeros(1, pad, dtype=torch.long), torch.ones(1, 20, dtype=torch.long)], 1
+    )
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     a = logits(model, x)
     b = logits(model, xp, attention_mask=mask, position_ids=pos)[:, pad:]

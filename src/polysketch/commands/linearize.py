@@ -90,8 +90,14 @@ def plot_results(results: list[dict], path) -> Path:
         if th:
             ax1.plot(range(len(th)), th, label=f"{r['attention']}: transfer (rel. MSE)")
         if fh:
-            ax1.plot(range(len(th), len(th) + len(fh)), fh, label=f"{r['attention']}: fine-tune (LM loss)")
-    ax0.axhline(results[0]["loss_original"] * 1.03, color="grey", ls="--", lw=1, label="original + 3%")
+            ax1.plot(
+                range(len(th), len(th) + len(fh)),
+                fh,
+                label=f"{r['attention']}: fine-tune (LM loss)",
+            )
+    ax0.axhline(
+        results[0]["loss_original"] * 1.03, color="grey", ls="--", lw=1, label="original + 3%"
+    )
     ax0.set_xticks(range(4), labels)
     ax0.set_yscale("log")
     ax0.set_ylabel("validation loss (nats/token)")
@@ -157,7 +163,12 @@ def linearize_saved(
     from transformers import AutoModelForCausalLM
 
     from ..data.corpus import load_corpus
-    from ..integrations.transformers import LinearizeConfig, evaluate_loss, linearize, load_converted
+    from ..integrations.transformers import (
+        LinearizeConfig,
+        evaluate_loss,
+        linearize,
+        load_converted,
+    )
     from ..integrations.transformers.linearize import EVAL_BATCH
 
     out = Path(out)
@@ -222,8 +233,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("linearize-out"))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--transfer-batch-size", type=int, default=None,
-                   help="sequences per transfer step (default: --batch-size)")
+    p.add_argument(
+        "--transfer-batch-size",
+        type=int,
+        default=None,
+        help="sequences per transfer step (default: --batch-size)",
+    )
     p.add_argument("--transfer-steps", type=int, default=100)
     p.add_argument("--transfer-lr", type=float, default=1e-2)
     p.add_argument("--finetune-steps", type=int, default=100)
@@ -244,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("polysketch linearize needs transformers: pip install polysketch[hf]", file=sys.stderr)
+        print(
+            "polysketch linearize needs transformers: pip install polysketch[hf]", file=sys.stderr
+        )
         return ERROR_EXIT
     if args.threads:
         import torch

@@ -219,9 +219,14 @@ class PolysketchAttention(nn.Module):
             return out
         outs = [
             state.step(
-                q[..., i : i + 1, :], k[..., i : i + 1, :], v[..., i : i + 1, :],
-                phi_q[..., i : i + 1, :], phi_k[..., i : i + 1, :],
-                degree=self.degree, offset=self.denominator_offset, eps=DEFAULT_EPS,
+                q[..., i : i + 1, :],
+                k[..., i : i + 1, :],
+                v[..., i : i + 1, :],
+                phi_q[..., i : i + 1, :],
+                phi_k[..., i : i + 1, :],
+                degree=self.degree,
+                offset=self.denominator_offset,
+                eps=DEFAULT_EPS,
             )  # fmt: skip
             for i in range(q.shape[-2])
         ]

@@ -62,7 +62,9 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("model must be a decoder-only causal LM (encoder-decoders are not supported)")
+        raise ValueError(
+            "model must be a decoder-only causal LM (encoder-decoders are not supported)"
+        )
     attr = FAMILIES.get(getattr(config, "model_type", None))
     found = []
     for name, module in model.named_modules():
@@ -111,7 +113,9 @@ def _check_settings(
     try:
         json.dumps(map_kwargs)
     except TypeError as err:
-        raise TypeError(f"map_kwargs must be JSON-serializable (saved in config.json): {err}") from None
+        raise TypeError(
+            f"map_kwargs must be JSON-serializable (saved in config.json): {err}"
+        ) from None
     return {
         "attention": attention,
         "chunk_size": check_positive_int(chunk_size, "chunk_size"),

@@ -86,7 +86,9 @@ class LinearizeConfig:
             setattr(self, name, check_positive_int(getattr(self, name), name))
         if self.transfer_batch_size is None:
             self.transfer_batch_size = self.batch_size
-        self.transfer_batch_size = check_positive_int(self.transfer_batch_size, "transfer_batch_size")
+        self.transfer_batch_size = check_positive_int(
+            self.transfer_batch_size, "transfer_batch_size"
+        )
         for name in ("transfer_steps", "finetune_steps", "seed"):
             setattr(self, name, check_int(getattr(self, name), name, minimum=0))
         for name in ("transfer_lr", "finetune_lr"):
@@ -220,7 +222,9 @@ def _lora_model(model: nn.Module, rank: int):
     model_type = model.config.get_text_config(decoder=True).model_type
     targets = LORA_TARGETS.get(model_type)
     if targets is None:
-        raise ValueError(f"no LoRA targets known for model_type={model_type!r}: use finetune='full'")
+        raise ValueError(
+            f"no LoRA targets known for model_type={model_type!r}: use finetune='full'"
+        )
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
     return get_peft_model(model, config)
 
@@ -265,9 +269,9 @@ def finetune(
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5
-        * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))),
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+        ),
     )
     history: list[float] = []
     train_model.train()
