@@ -108,7 +108,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--attentions",
         nargs="+",
-        default=["psf_mixed", "psf_mixed:degree=8", "psf_learned"],
+        default=[
+            "psf_mixed",
+            "psf_mixed:degree=8",
+            "psf_learned:mixed=True,degree=8",
+            "psf_learned",
+        ],
         help="NAME or NAME:key=value,key=value (feature-map / preset keywords)",
     )
     p.add_argument(

@@ -310,10 +310,10 @@ def test_cli_linearize_end_to_end(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"Now is the winter of our discontent {i}.\n" for i in range(200)))
     out = tmp_path / "out"
-    rc = main(["linearize", "--model", str(tmp_path / "base"), "--attention", "psf_mixed",
+    rc = main(["linearize", "--model", str(tmp_path / "base"), "--attention", "psf_learned",
                "--data", str(text), "--out", str(out), "--seq-len", "32", "--batch-size", "2",
                "--transfer-steps", "2", "--finetune-steps", "2", "--eval-batches", "1",
-               "--chunk-size", "8"])  # fmt: skip
+               "--chunk-size", "8", "--mixed", "--map-kw", "num_features=8"])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert "perplexity" in printed and "KV cache" in printed
@@ -322,7 +322,8 @@ def test_cli_linearize_end_to_end(tmp_path, capsys):
         assert res[f"loss_{stage}"] > 0
     assert abs(res["loss_reloaded"] - res["loss_finetune"]) < 1e-5
     assert (out / "results.csv").exists() and (out / "linearize.png").stat().st_size > 0
-    assert load_converted(out / "model").config.polysketch["attention"] == "psf_mixed"
+    settings = load_converted(out / "model").config.polysketch
+    assert settings["attention"] == "psf_learned" and settings["mixed"] is True
 
 
 def test_cli_linearize_reports_bad_model(tmp_path, capsys):

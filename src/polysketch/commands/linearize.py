@@ -248,6 +248,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="with a feature-map attention: exact (q.k)^degree inside blocks of --chunk-size, "
+        "the map for earlier blocks (psf_mixed's form, e.g. with psf_learned)",
+    )
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this much text")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -268,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        map_kwargs = parse_map_kwargs(args.map_kw)
+        if args.mixed:
+            map_kwargs["mixed"] = True
         res = linearize_saved(
             args.model, args.attention, args.data, out=args.out, seq_len=args.seq_len,
             batch_size=args.batch_size, transfer_batch_size=args.transfer_batch_size,
@@ -275,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             finetune_steps=args.finetune_steps, transfer_lr=args.transfer_lr,
             finetune_lr=args.finetune_lr, finetune=args.finetune, lora_rank=args.lora_rank,
             eval_batches=args.eval_batches, chunk_size=args.chunk_size, seed=args.seed,
-            map_kwargs=parse_map_kwargs(args.map_kw), max_bytes=args.max_bytes,
+            map_kwargs=map_kwargs, max_bytes=args.max_bytes,
         )  # fmt: skip
     except (ValueError, TypeError, OSError) as err:
         print(f"polysketch linearize: error: {err}", file=sys.stderr)
