@@ -99,7 +99,6 @@ def plot_results(results: list[dict], path) -> Path:
         results[0]["loss_original"] * 1.03, color="grey", ls="--", lw=1, label="original + 3%"
     )
     ax0.set_xticks(range(4), labels)
-    ax0.set_yscale("log")
     ax0.set_ylabel("validation loss (nats/token)")
     ax0.legend(fontsize=7)
     ax0.grid(True, alpha=0.3)

@@ -307,7 +307,10 @@ def decode_state_floats(model: nn.Module, seq_len: int) -> dict[str, int]:
     h_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     cores = _cores(model)
     kv = sum(2 * h_kv * c.head_dim * seq_len for c in cores)
-    state = sum(c.decode_state_size(seq_len) for c in cores)
+    if cores[0].uses_state_cache:
+        state = sum(c.decode_state_size(seq_len) for c in cores)
+    else:  # softmax / exact polynomial decode from the model's own (GQA) KV cache
+        state = kv
     return {"seq_len": seq_len, "kv_cache_floats": kv, "state_floats": state}
 
 
