@@ -216,6 +216,38 @@ def test_non_causal_masks_are_refused():
         logits(model, ids(t=20), attention_mask=torch.ones(2, 20, dtype=torch.long))
 
 
+# ----- scale ---------------------------------------------------------------------------------
+def test_qk_layernorm_makes_polynomial_kernels_scale_free():
+    """A pretrained q·k has any scale: after the q/k LayerNorm, scaling q and k changes nothing."""
+    x = ids()
+    changes = {}
+    for qk_norm in (None, False):  # None: the default for polynomial presets (on)
+        model = tiny("llama")
+        convert(model, "psf_mixed", chunk_size=8, qk_norm=qk_norm)
+        core = model.model.layers[0].self_attn.polysketch
+        assert (core.q_norm is not None) == (qk_norm is None)
+        ref = logits(model, x)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10.0)
+                layer.self_attn.k_proj.weight.mul_(3.0)
+        changes[qk_norm] = float((logits(model, x) - ref).abs().max() / ref.abs().max())
+    assert changes[None] <= 1e-3  # only LayerNorm's eps is not scale-free
+    assert changes[False] > 1e-2
+
+
+def test_softmax_random_features_use_the_models_own_scaling():
+    model = tiny("gpt2")
+    model.config.scale_attn_by_inverse_layer_idx = True
+    model = transformers.GPT2LMHeadModel(model.config).eval()  # per-layer scale 1/(√D (l+1))
+    convert(model, "positive")
+    for block in model.transformer.h:
+        core = block.attn.polysketch
+        assert core.q_norm is None
+        assert core.feature_map.head_map(0).scale == pytest.approx(block.attn.scaling)
+    assert model.transformer.h[0].attn.scaling != model.transformer.h[1].attn.scaling
+
+
 # ----- GQA -----------------------------------------------------------------------------------
 def test_gqa_matches_the_equivalent_multi_head_model():
     gqa = tiny("llama", kv_heads=2)
