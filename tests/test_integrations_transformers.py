@@ -162,6 +162,19 @@ def test_softmax_conversion_generates_like_the_original():
         assert torch.equal(model.generate(prompt, **kw), ref)
 
 
+@pytest.mark.parametrize("attention", ["psf_random", "psf_mixed"])
+def test_beam_search_with_the_state_cache_equals_beam_search_without_cache(attention):
+    model = _decisive(tiny("llama"))
+    convert(model, attention, chunk_size=8)  # beams reorder / repeat the states
+    prompt = ids(t=6)
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 12, "do_sample": False,
+          "num_beams": 3, "pad_token_id": 0}  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(
+            model.generate(prompt, **kw), model.generate(prompt, use_cache=False, **kw)
+        )
+
+
 def test_generate_uses_constant_size_state():
     model = tiny("llama")
     convert(model, "psf_random")
