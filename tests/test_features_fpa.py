@@ -366,3 +366,25 @@ def test_tspow_bad_input():
         tspow_weights(0)
     with pytest.raises(TypeError, match="compact"):
         tspow_weights(4, compact=1)
+
+
+# ----- degree inferred from branch_dims (issue #11) ------------------------------------------
+@pytest.mark.parametrize("dims", [[4, 4, 4], (3, 5), [6]])
+def test_degree_inferred_from_branch_dims(dims):
+    fm = create("fpa", 8, branch_dims=dims, seed=0).double()
+    assert fm.degree == len(dims) and fm.branch_dims == list(dims)
+    assert fm.feature_dim == math.prod(dims)
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    exact = fm.target_kernel(x, y)
+    torch.testing.assert_close(fm.approx_kernel(x, y), exact, rtol=1e-10, atol=1e-10)
+
+
+def test_degree_default_two_for_int_branch_dims():
+    fm = create("fpa", 8, branch_dims=4, seed=0)
+    assert fm.degree == 2 and fm.branch_dims == [4, 4]
+
+
+def test_degree_and_branch_dims_mismatch_names_both():
+    with pytest.raises(ValueError, match="branch_dims.*degree=2"):
+        create("fpa", 8, degree=2, branch_dims=[4, 4, 4], seed=0)

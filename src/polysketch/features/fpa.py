@@ -57,6 +57,18 @@ def _default_branch_dims(dim: int, degree: int, projection: str) -> list[int]:
     return [dim] * degree
 
 
+def _infer_degree(branch_dims) -> int:
+    """n when ``degree`` is not given: len(branch_dims) for a sequence of widths, else 2."""
+    if (
+        branch_dims is not None
+        and not isinstance(branch_dims, (str, bool, int))
+        and isinstance(branch_dims, Sequence)
+        and len(branch_dims) > 0
+    ):
+        return len(branch_dims)
+    return 2
+
+
 def _check_branch_dims(branch_dims, dim: int, degree: int, projection: str) -> list[int]:
     if branch_dims is None:
         return _default_branch_dims(dim, degree, projection)
@@ -107,7 +119,8 @@ class FactorizedPolynomial(FeatureMap):
 
     Args:
         dim: D, the input dimension.
-        degree: n >= 1, the number of branches (kernel degree; default 2, or len(weights)).
+        degree: n >= 1, the number of branches (kernel degree; default len(weights), else
+            len(branch_dims) for a sequence of widths, else 2).
         branch_dims: the widths d_l: a sequence of n ints, or one int for every branch.
             Default D each; for "block"/"coordinate" D split into n nearly equal parts.
         projection: how W_l is built (default "random"):
@@ -171,7 +184,9 @@ class FactorizedPolynomial(FeatureMap):
             projection = check_choice(
                 "random" if projection is None else projection, "projection", PROJECTIONS
             )
-            degree = check_positive_int(2 if degree is None else degree, "degree")
+            if degree is None:  # a sequence of branch widths fixes n; otherwise n = 2
+                degree = _infer_degree(branch_dims)
+            degree = check_positive_int(degree, "degree")
             dims = _check_branch_dims(branch_dims, self.dim, degree, projection)
         if trainable and projection in ("block", "coordinate"):
             raise ValueError(

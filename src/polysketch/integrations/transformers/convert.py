@@ -1,0 +1,266 @@
+"""``convert``: swap the self-attention of a transformers causal LM for polysketch attention.
+
+Families and their adapters (``FAMILIES``: where the attention modules are and how they name
+their head size): Llama, Qwen2, Mistral (``self_attn``, ``head_dim``), GPT-NeoX
+(``attention``, ``head_size``), GPT-2 (``attn``, ``head_dim``). All of them call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` after projecting q/k/v, applying RoPE
+(when the family has it) and updating the cache, so ``convert`` only
+
+1. attaches a ``PolysketchAttention`` (q/k norms, per-head feature maps of that layer) as the
+   submodule ``polysketch`` of each attention module — the q/k/v/o weights, the RoPE and the
+   GQA layout stay the model's own;
+2. switches ``config._attn_implementation`` to ``"polysketch"`` (registered attention
+   function, see ``attention.py``);
+3. stores the settings in ``config.polysketch`` so ``load_converted(path)`` rebuilds the
+   modules after ``from_pretrained`` and loads their tensors from the checkpoint;
+4. makes ``generate`` decode from a ``PolysketchCache`` (constant-size state) by default.
+
+Other causal LMs whose attention modules have ``layer_idx``, ``scaling`` and ``head_dim`` (or
+``head_size``) and use the attention interface go through the generic adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..._checks import check_int, check_positive_int
+from ...nn.presets import valid_attentions
+from .attention import ATTENTION_NAME, PolysketchAttention, register
+from .cache import PolysketchCache
+
+__all__ = ["FAMILIES", "attention_modules", "convert", "load_converted", "polysketch_settings"]
+
+CONFIG_KEY = "polysketch"
+"""The attribute of ``model.config`` holding the conversion settings (saved in config.json)."""
+
+FAMILIES: dict[str, str] = {
+    "llama": "self_attn",
+    "qwen2": "self_attn",
+    "mistral": "self_attn",
+    "gpt_neox": "attention",
+    "gpt2": "attn",
+}
+"""model_type -> name of the self-attention submodule of each decoder layer."""
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    for name in ("head_dim", "head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of ``model`` in layer order (raises for unsupported models)."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            "model must be a decoder-only causal LM (encoder-decoders are not supported)"
+        )
+    attr = FAMILIES.get(getattr(config, "model_type", None))
+    found = []
+    for name, module in model.named_modules():
+        if attr is not None:
+            ok = name.rsplit(".", 1)[-1] == attr and hasattr(module, "layer_idx")
+        else:  # generic adapter: attention modules of the interface's shape
+            ok = (
+                type(module).__name__.endswith("Attention")
+                and isinstance(getattr(module, "layer_idx", None), int)
+                and hasattr(module, "scaling")
+                and _head_dim(module) is not None
+            )
+        if ok:
+            if getattr(module, "is_cross_attention", False):
+                raise ValueError("cross-attention cannot be converted (decoder-only models only)")
+            found.append(module)
+    if not found:
+        raise ValueError(
+            f"found no self-attention modules in {type(model).__name__} "
+            f"(model_type={getattr(config, 'model_type', None)!r}; supported: {sorted(FAMILIES)})"
+        )
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def polysketch_settings(model: nn.Module) -> dict | None:
+    """The settings ``convert`` stored in ``model.config`` (None if not converted)."""
+    settings = getattr(model.config, CONFIG_KEY, None)
+    return dict(settings) if settings else None
+
+
+def _check_settings(
+    attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
+) -> dict:
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be a string, got {type(attention).__name__}")
+    if attention not in valid_attentions():
+        raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
+    if not isinstance(mixed, bool):
+        raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
+    if qk_norm is not None and not isinstance(qk_norm, bool):
+        raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
+    if denominator_offset is not None:
+        if isinstance(denominator_offset, bool) or not isinstance(denominator_offset, (int, float)):
+            raise TypeError("denominator_offset must be a float or None")
+        denominator_offset = float(denominator_offset)
+    try:
+        json.dumps(map_kwargs)
+    except TypeError as err:
+        raise TypeError(
+            f"map_kwargs must be JSON-serializable (saved in config.json): {err}"
+        ) from None
+    return {
+        "attention": attention,
+        "chunk_size": check_positive_int(chunk_size, "chunk_size"),
+        "seed": check_int(seed, "seed", minimum=0),
+        "qk_norm": qk_norm,
+        "denominator_offset": denominator_offset,
+        "mixed": mixed,
+        "map_kwargs": dict(map_kwargs),
+    }
+
+
+def convert(
+    model: nn.Module,
+    attention: str = "psf_mixed",
+    *,
+    chunk_size: int = 64,
+    seed: int = 0,
+    qk_norm: bool | None = None,
+    denominator_offset: float | None = None,
+    mixed: bool = False,
+    **map_kwargs,
+) -> nn.Module:
+    """Replace the self-attention of ``model`` (in place) by polysketch attention; returns it.
+
+    Args:
+        model: a transformers decoder-only causal LM (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2
+            families; others whose attention modules share their shape).
+        attention: ``"softmax"`` (the model's own attention, bit-for-bit up to SDPA rounding),
+            ``"polynomial"``, ``psf_random``, ``psf_learned``, ``psf_mixed`` (default), or any
+            ``polysketch.features.available()`` name.
+        chunk_size: block of the chunked algorithm and of psf_mixed's exact local blocks.
+        seed: base seed of the per-layer, per-head feature maps.
+        qk_norm: trainable LayerNorm on q and k per head (None: on for polynomial kernels and
+            presets, off for softmax and softmax random features, which use the model's
+            ``scaling`` as their temperature).
+        denominator_offset: the normalizer's offset (None: 1 for polynomial kernels, else 0).
+        mixed: with a feature-map name, psf_mixed's form with that map: exact (q·k)^degree
+            inside blocks of ``chunk_size``, the map (e.g. a learnable one) for earlier blocks.
+        **map_kwargs: keywords of the feature map (e.g. ``num_features=64``).
+
+    The new parameters (q/k norms, learnable maps) are created in the dtype and on the device
+    of the attention module's weights. A converted model can be converted again (the old
+    polysketch modules are replaced).
+    """
+    settings = _check_settings(
+        attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
+    )
+    modules = attention_modules(model)
+    config = model.config.get_text_config(decoder=True)
+    num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
+    register()
+    for module in modules:
+        ref = next(module.parameters())
+        core = PolysketchAttention(
+            settings["attention"],
+            head_dim=_head_dim(module),
+            num_heads=num_heads,
+            layer_index=module.layer_idx,
+            scaling=float(getattr(module, "scaling", _head_dim(module) ** -0.5)),
+            chunk_size=settings["chunk_size"],
+            qk_norm=settings["qk_norm"],
+            denominator_offset=settings["denominator_offset"],
+            seed=settings["seed"],
+            mixed=settings["mixed"],
+            **settings["map_kwargs"],
+        )
+        if "polysketch" in module._modules:
+            del module._modules["polysketch"]
+        module.polysketch = core.to(device=ref.device, dtype=ref.dtype)
+    setattr(model.config, CONFIG_KEY, settings)
+    if config is not model.config:
+        setattr(config, CONFIG_KEY, settings)
+    model.set_attn_implementation(ATTENTION_NAME)
+    _install_generate_cache(model, modules[0].polysketch.uses_state_cache)
+    return model
+
+
+def _install_generate_cache(model: nn.Module, use_state: bool) -> None:
+    """Make ``generate`` create a ``PolysketchCache`` unless the caller passes a cache."""
+    cls_method = type(model)._prepare_cache_for_generation
+    if not use_state:  # softmax / exact polynomial decode from transformers' KV cache
+        model.__dict__.pop("_prepare_cache_for_generation", None)
+        return
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if (
+            model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+        ):
+            model_kwargs["past_key_values"] = PolysketchCache(self)
+        return cls_method(self, generation_config, model_kwargs, *args, **kwargs)
+
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The polysketch tensors of a saved checkpoint (safetensors, sharded or not; or .bin)."""
+    out: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            out.update({k: v for k, v in load_file(str(f)).items() if ".polysketch." in k})
+        return out
+    for f in sorted(path.glob("pytorch_model*.bin")):
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        out.update({k: v for k, v in state.items() if ".polysketch." in k})
+    return out
+
+
+def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
+    """Load a model saved after ``convert`` (``save_pretrained``) with its polysketch modules.
+
+    transformers' ``from_pretrained`` builds the original architecture (and warns that the
+    polysketch tensors are unexpected); this then ``convert``s it with the settings saved in
+    ``config.json`` and loads those tensors. ``model_class`` defaults to
+    ``AutoModelForCausalLM``; extra keywords go to ``from_pretrained``.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"path must be a directory written by save_pretrained, got {str(path)!r}")
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    register()
+    from_pretrained_kwargs.setdefault("attn_implementation", "sdpa")
+    model = model_class.from_pretrained(str(path), **from_pretrained_kwargs)
+    settings = polysketch_settings(model)
+    if settings is None:
+        raise ValueError(f"{str(path)!r} holds no polysketch settings (config.{CONFIG_KEY})")
+    convert(
+        model,
+        settings["attention"],
+        chunk_size=settings["chunk_size"],
+        seed=settings["seed"],
+        qk_norm=settings["qk_norm"],
+        denominator_offset=settings["denominator_offset"],
+        mixed=settings.get("mixed", False),
+        **settings["map_kwargs"],
+    )
+    tensors = _checkpoint_tensors(path)
+    expected = {k for k in model.state_dict() if ".polysketch." in k}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} lacks polysketch tensors, e.g. {missing[:3]}")
+    model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
+    return model

@@ -1,0 +1,361 @@
+"""Linearizing a pretrained softmax LM: attention transfer, then a short fine-tune.
+
+Following Hedgehog (Zhang et al. 2024) and LoLCATs (Zhang et al. 2025):
+
+* stage 0: ``convert(model, attention, ...)`` keeps every pretrained weight and adds the new
+  modules (q/k LayerNorms, per-head feature maps);
+* stage 1, attention transfer (``attention_transfer``): only the added modules train; each
+  layer minimizes ‖O_lin − O_softmax‖² / ‖O_softmax‖² between its kernelized output and its
+  own softmax output on real text, the losses of all layers summed. One forward pass
+  computes both: in transfer mode every layer returns the softmax output (the teacher's),
+  so layer l learns on exactly the inputs the softmax model gives it (what hooks on the
+  softmax model would capture, without storing them);
+* stage 2, fine-tune (``finetune``): the LM loss with LoRA adapters (peft) on the attention
+  projections plus the added modules, merged back afterwards, or a full fine-tune.
+
+``linearize`` runs all of it and measures the validation loss (nats/token; perplexity =
+exp) of the original, after conversion, after stage 1 and after stage 2.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..._checks import check_float, check_int, check_positive_int
+from ...train.batches import CorpusBatches
+from .attention import PolysketchAttention
+from .convert import attention_modules, convert
+
+__all__ = [
+    "LinearizeConfig",
+    "attention_transfer",
+    "evaluate_loss",
+    "finetune",
+    "linearize",
+    "trainable_attention_parameters",
+    "EVAL_BATCH",
+]
+
+EVAL_BATCH = 8
+"""Windows per evaluation batch: the validation set is ``eval_batches · EVAL_BATCH`` windows."""
+
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gpt_neox": ["query_key_value", "dense"],
+    "gpt2": ["c_attn", "attn.c_proj"],
+}
+
+
+@dataclass
+class LinearizeConfig:
+    """Budgets and optimizer settings of ``linearize`` (tokens = steps · batch · seq_len).
+
+    transfer_batch_size: sequences per attention-transfer step (None: ``batch_size``); the
+    transfer loss is dense (every position of every layer), so smaller batches and more
+    steps use a token budget better.
+
+    finetune: "lora" (peft adapters on the attention projections + the added modules,
+    merged after training), "full" (every weight) or "none".
+    """
+
+    seq_len: int = 256
+    batch_size: int = 8
+    transfer_batch_size: int | None = None
+    transfer_steps: int = 100
+    transfer_lr: float = 1e-2
+    finetune_steps: int = 100
+    finetune_lr: float = 1e-3
+    finetune: str = "lora"
+    lora_rank: int = 8
+    eval_batches: int = 16
+    seed: int = 0
+    progress: bool | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "lora_rank", "eval_batches"):
+            setattr(self, name, check_positive_int(getattr(self, name), name))
+        if self.transfer_batch_size is None:
+            self.transfer_batch_size = self.batch_size
+        self.transfer_batch_size = check_positive_int(
+            self.transfer_batch_size, "transfer_batch_size"
+        )
+        for name in ("transfer_steps", "finetune_steps", "seed"):
+            setattr(self, name, check_int(getattr(self, name), name, minimum=0))
+        for name in ("transfer_lr", "finetune_lr"):
+            v = check_float(getattr(self, name), name, minimum=0.0, strict_minimum=True)
+            setattr(self, name, v)
+        if self.finetune not in ("lora", "full", "none"):
+            raise ValueError(f"finetune must be 'lora', 'full' or 'none', got {self.finetune!r}")
+
+    def tokens(self, steps: int, batch_size: int | None = None) -> int:
+        return steps * (self.batch_size if batch_size is None else batch_size) * self.seq_len
+
+
+def _cores(model: nn.Module) -> list[PolysketchAttention]:
+    cores = [m for m in model.modules() if isinstance(m, PolysketchAttention)]
+    if not cores:
+        raise ValueError("model has no polysketch attention: call convert(model) first")
+    return cores
+
+
+def trainable_attention_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``convert`` added (q/k norms, learnable feature maps)."""
+    return [p for core in _cores(model) for p in core.parameters()]
+
+
+def _show(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else bool(progress)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, tokens: torch.Tensor, *, seq_len: int, batch_size: int = 8, max_batches=None
+) -> float:
+    """Mean next-token cross-entropy (nats/token) over consecutive windows of ``tokens``.
+
+    Windows of ``seq_len + 1`` tokens, stepped by ``seq_len`` (every target predicted once,
+    with the context of its window), ``max_batches`` batches at most (None: all).
+    """
+    seq_len = check_positive_int(seq_len, "seq_len")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+        raise TypeError("tokens must be a 1-D tensor of token ids")
+    windows = tokens.unfold(0, seq_len + 1, seq_len)
+    if len(windows) == 0:
+        raise ValueError(f"tokens holds {tokens.numel()} ids, fewer than seq_len + 1")
+    if max_batches is not None:
+        windows = windows[: check_positive_int(max_batches, "max_batches") * batch_size]
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    dev = _device(model)
+    for i in range(0, len(windows), batch_size):
+        w = windows[i : i + batch_size].to(dev)
+        logits = model(input_ids=w[:, :-1], use_cache=False).logits
+        loss = nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="sum"
+        )
+        total += float(loss)
+        count += w[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def attention_transfer(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    steps: int,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    lr: float = 1e-2,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> list[float]:
+    """Stage 1: train only the added modules to match each layer's softmax output (see doc).
+
+    ``tokens``: 1-D training token stream; random windows of ``seq_len`` tokens. Returns the
+    mean per-layer relative output MSE before each step (empty if nothing is trainable).
+    """
+    steps = check_int(steps, "steps", minimum=0)
+    lr = check_float(lr, "lr", minimum=0.0, strict_minimum=True)
+    cores = _cores(model)
+    params = trainable_attention_parameters(model)
+    if not params or steps == 0:
+        return []
+    if cores[0].algorithm == "softmax":
+        raise ValueError("attention transfer needs a kernelized attention, not softmax")
+    requires = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    batches = CorpusBatches(tokens, seq_len, seed, name="tokens")
+    optimizer = torch.optim.Adam(params, lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, steps))
+    history: list[float] = []
+    was_training = model.training
+    model.eval()  # no dropout: the teacher must be the model itself
+    for core in cores:
+        core.transfer = True
+    try:
+        with torch.enable_grad():
+            bar = tqdm(range(steps), desc="attention transfer", disable=not _show(progress))
+            for _ in bar:
+                x, _ = batches.next(batch_size)
+                model(input_ids=x.to(_device(model)), use_cache=False)
+                loss = torch.stack([c.transfer_loss for c in cores]).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                schedule.step()
+                history.append(float(loss.detach()))
+                bar.set_postfix(mse=f"{history[-1]:.4f}")
+    finally:
+        for core in cores:
+            core.transfer, core.transfer_loss = False, None
+        for p, r in requires.items():
+            p.requires_grad_(r)
+        model.train(was_training)
+    return history
+
+
+def _lora_model(model: nn.Module, rank: int):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - only without the extra
+        raise ImportError("LoRA fine-tuning needs peft: pip install polysketch[hf]") from err
+    model_type = model.config.get_text_config(decoder=True).model_type
+    targets = LORA_TARGETS.get(model_type)
+    if targets is None:
+        raise ValueError(
+            f"no LoRA targets known for model_type={model_type!r}: use finetune='full'"
+        )
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    return get_peft_model(model, config)
+
+
+def finetune(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    steps: int,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    mode: str = "lora",
+    lora_rank: int = 8,
+    seed: int = 1,
+    progress: bool | None = None,
+) -> tuple[nn.Module, list[float]]:
+    """Stage 2: next-token loss on random windows of ``tokens``; returns (model, losses).
+
+    ``mode="lora"``: peft LoRA (rank ``lora_rank``) on the attention projections, plus the
+    added polysketch modules, merged into the weights afterwards (the returned model is a
+    plain transformers model again); ``"full"``: every parameter trains.
+    """
+    steps = check_int(steps, "steps", minimum=0)
+    if mode not in ("lora", "full"):
+        raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
+    if steps == 0:
+        return model, []
+    requires = {p: p.requires_grad for p in model.parameters()}
+    added = trainable_attention_parameters(model)
+    if mode == "lora":
+        train_model = _lora_model(model, check_positive_int(lora_rank, "lora_rank"))
+        for p in added:
+            p.requires_grad_(True)
+    else:
+        train_model = model
+        for p in model.parameters():
+            p.requires_grad_(True)
+    params = [p for p in train_model.parameters() if p.requires_grad]
+    batches = CorpusBatches(tokens, seq_len, seed, name="tokens")
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+        ),
+    )
+    history: list[float] = []
+    train_model.train()
+    with torch.enable_grad():
+        bar = tqdm(range(steps), desc=f"fine-tune ({mode})", disable=not _show(progress))
+        for _ in bar:
+            x, y = batches.next(batch_size)
+            dev = _device(model)
+            logits = train_model(input_ids=x.to(dev), use_cache=False).logits
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(dev).flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            history.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{history[-1]:.4f}")
+    train_model.eval()
+    if mode == "lora":
+        model = train_model.merge_and_unload()
+    for p in model.parameters():
+        p.requires_grad_(requires.get(p, True))
+    return model, history
+
+
+def decode_state_floats(model: nn.Module, seq_len: int) -> dict[str, int]:
+    """Decode memory per sequence at ``seq_len`` tokens: polysketch state vs the KV cache.
+
+    KV cache: 2·H_kv·D·T per layer (the model's own, GQA-aware); state: see
+    ``PolysketchAttention.decode_state_size`` (query heads; k, v are repeated for GQA).
+    """
+    config = model.config.get_text_config(decoder=True)
+    h_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    cores = _cores(model)
+    kv = sum(2 * h_kv * c.head_dim * seq_len for c in cores)
+    if cores[0].uses_state_cache:
+        state = sum(c.decode_state_size(seq_len) for c in cores)
+    else:  # softmax / exact polynomial decode from the model's own (GQA) KV cache
+        state = kv
+    return {"seq_len": seq_len, "kv_cache_floats": kv, "state_floats": state}
+
+
+def linearize(
+    model: nn.Module,
+    train_tokens: torch.Tensor,
+    val_tokens: torch.Tensor,
+    *,
+    attention: str = "psf_mixed",
+    config: LinearizeConfig | None = None,
+    **convert_kwargs,
+) -> tuple[nn.Module, dict]:
+    """Convert a softmax ``model`` and linearize it (stages 0–2); returns (model, results).
+
+    results: ``loss_*`` (nats/token on ``val_tokens``) and ``ppl_*`` for ``original``,
+    ``converted``, ``transfer``, ``finetune``; ``tokens_*`` used by each stage; the loss
+    histories; ``decode_state`` (``decode_state_floats`` at seq_len and 64k tokens); seconds.
+    """
+    cfg = LinearizeConfig() if config is None else config
+    if not isinstance(cfg, LinearizeConfig):
+        raise TypeError(f"config must be a LinearizeConfig, got {type(cfg).__name__}")
+    attention_modules(model)  # fail early on unsupported models
+    ev = {"seq_len": cfg.seq_len, "batch_size": EVAL_BATCH, "max_batches": cfg.eval_batches}
+    res: dict = {"attention": attention, "config": asdict(cfg)}
+    t0 = time.perf_counter()
+    res["loss_original"] = evaluate_loss(model, val_tokens, **ev)
+    convert(model, attention, **convert_kwargs)
+    res["loss_converted"] = evaluate_loss(model, val_tokens, **ev)
+    res["transfer_history"] = attention_transfer(
+        model, train_tokens, steps=cfg.transfer_steps, seq_len=cfg.seq_len,
+        batch_size=cfg.transfer_batch_size, lr=cfg.transfer_lr, seed=cfg.seed,
+        progress=cfg.progress,
+    )  # fmt: skip
+    res["loss_transfer"] = evaluate_loss(model, val_tokens, **ev)
+    ft_steps = 0 if cfg.finetune == "none" else cfg.finetune_steps
+    model, res["finetune_history"] = finetune(
+        model, train_tokens, steps=ft_steps, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        lr=cfg.finetune_lr, mode="lora" if cfg.finetune == "none" else cfg.finetune,
+        lora_rank=cfg.lora_rank, seed=cfg.seed + 1, progress=cfg.progress,
+    )  # fmt: skip
+    res["loss_finetune"] = evaluate_loss(model, val_tokens, **ev)
+    for stage in ("original", "converted", "transfer", "finetune"):
+        res[f"ppl_{stage}"] = math.exp(res[f"loss_{stage}"])
+    res["tokens_transfer"] = cfg.tokens(len(res["transfer_history"]), cfg.transfer_batch_size)
+    res["tokens_finetune"] = cfg.tokens(ft_steps)
+    res["decode_state"] = [decode_state_floats(model, t) for t in (cfg.seq_len, 65536)]
+    res["seconds"] = time.perf_counter() - t0
+    return model, res
