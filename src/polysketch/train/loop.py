@@ -87,6 +87,7 @@ class TrainConfig:
     out_dir: str | None = None
     checkpoint_interval: int | None = None
     device: str | None = None
+    warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -107,6 +108,7 @@ class TrainConfig:
         if self.amp is not None:
             check_choice(self.amp, "amp", ["bf16"])
         check_int(self.seed, "seed", minimum=0)
+        check_int(self.warm_start_steps, "warm_start_steps", minimum=0)
         self.betas = tuple(float(b) for b in self.betas)
         return self
 
@@ -305,6 +307,8 @@ def train(
         model.train()
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         while step < end:
+            if cfg.warm_start_steps:  # steps 1..N exact; the mode follows the step on resume
+                raw_model.set_exact_attention(step < cfg.warm_start_steps)
             t0 = time.perf_counter()
             x, y = batches.next(cfg.batch_size)
             x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
@@ -346,6 +350,8 @@ def train(
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             last = step == cfg.steps
             if last or (cfg.eval_interval and step % cfg.eval_interval == 0):
+                if cfg.warm_start_steps:
+                    raw_model.set_exact_attention(step < cfg.warm_start_steps)
                 val_loss, acc = _evaluate(raw_model, data, cfg, block_size, ctx)
                 vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
                 history["val"].append(vrow)
