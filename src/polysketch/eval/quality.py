@@ -22,7 +22,14 @@ from ..nn import PRESETS, TransformerConfig, valid_attentions
 from ..train import TrainConfig, train
 from .plots import save_png, subplots
 
-__all__ = ["default_attentions", "compare", "quality_table", "format_table", "plot_curves"]
+__all__ = [
+    "default_attentions",
+    "remedy_attentions",
+    "compare",
+    "quality_table",
+    "format_table",
+    "plot_curves",
+]
 
 
 def default_attentions() -> dict[str, tuple[str, dict]]:
@@ -39,8 +46,23 @@ def default_attentions() -> dict[str, tuple[str, dict]]:
     return out
 
 
+def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple]:
+    """The remedies of issue #10 (``docs/quality_gap.md``), label -> (attention, map_kwargs,
+    train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
+    ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
+    (``projection="product"``); ``psf_learned`` with the same warm start."""
+    warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
+    return {
+        "psf_mixed": ("psf_mixed", {}, {}),
+        "psf_random+warm": ("psf_random", {}, warm),
+        "psf_random_r64": ("psf_random", {"num_features": 64}, {}),
+        "psf_random_product": ("psf_random", {"projection": "product"}, {}),
+        "psf_learned+warm": ("psf_learned", {}, warm),
+    }
+
+
 def compare(
-    attentions: dict[str, tuple[str, dict]],
+    attentions: dict[str, tuple],
     corpus,
     model_config: TransformerConfig,
     train_config: TrainConfig,
@@ -48,18 +70,19 @@ def compare(
     progress: bool = True,
     log=print,
 ) -> dict[str, dict]:
-    """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw).
+    """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw)
+    or (a, kw, train_overrides) (fields of ``TrainConfig``, e.g. ``warm_start_steps``).
 
     Returns label -> {"history": train rows, "val": val rows, "params", "train_s",
     "attention", "map_kwargs"}. ``train_config.out_dir`` (if set) gets one subfolder per label.
     """
-    unknown = [a for a, _ in attentions.values() if a not in valid_attentions()]
+    unknown = [spec[0] for spec in attentions.values() if spec[0] not in valid_attentions()]
     if unknown:
         raise ValueError(f"attentions: unknown {unknown}; choose from {valid_attentions()}")
     results = {}
-    for label, (attention, map_kwargs) in attentions.items():
+    for label, (attention, map_kwargs, *extra) in attentions.items():
         mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs))
-        tc = train_config
+        tc = replace(train_config, **(extra[0] if extra else {}))
         if tc.out_dir is not None:
             tc = replace(tc, out_dir=str(Path(tc.out_dir) / label))
         t0 = time.perf_counter()
@@ -67,6 +90,7 @@ def compare(
         results[label] = {
             "attention": attention,
             "map_kwargs": dict(map_kwargs),
+            "train_overrides": dict(extra[0]) if extra else {},
             "history": history["train"],
             "val": history["val"],
             "params": history["model"].num_parameters(),
