@@ -115,3 +115,25 @@ def test_product_registry_state_dict_and_tree():
     assert not torch.equal(before, m.product_gaussian)
     with pytest.raises(ValueError, match="product"):
         m.sketch_matrices(torch.float32)
+
+
+@pytest.mark.parametrize("projection", ["gaussian", "product"])
+def test_output_scale_scales_features_and_target_kernel(projection):
+    """output_scale c: φ_c = c·φ, target c²(x·y)^p (c⁴(x·y)^{2p} squared); c = 1/√r is the
+    public code's normalization. Unbiased against the scaled target over 1000 draws."""
+    x, y = _pairs(6, mix=0.95)
+    c = 1 / math.sqrt(16)
+    kw = dict(num_features=16, projection=projection)
+    plain, scaled = PolySketch(6, seed=3, **kw), PolySketch(6, seed=3, output_scale=c, **kw)
+    assert torch.allclose(scaled.query(x), c * plain.query(x), rtol=1e-6, atol=0)
+    assert torch.allclose(scaled.target_kernel(x, y), c**2 * (x @ y.T) ** 2, rtol=1e-12, atol=0)
+    sq = PolySketch(6, nonnegative=True, output_scale=c, **kw)
+    assert torch.allclose(sq.target_kernel(x, y), c**4 * (x @ y.T) ** 4, rtol=1e-12, atol=0)
+    est = _estimates(lambda s: PolySketch(6, seed=s, output_scale=c, **kw), x, y, 1000)
+    target = scaled.target_kernel(x, y)
+    se = est.std(0) / math.sqrt(1000)
+    assert ((est.mean(0) - target).abs() <= 4 * se).all()
+    assert ((est.mean(0) / c**2 - target).abs() > 4 * se).diagonal().all()  # unscaled fails
+    assert "output_scale=0.25" in repr(scaled)
+    with pytest.raises(ValueError, match="output_scale"):
+        PolySketch(6, output_scale=0.0)

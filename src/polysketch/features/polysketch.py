@@ -42,7 +42,13 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import check_choice, check_feature_input, check_positive_int, compute_dtype
+from .._checks import (
+    check_choice,
+    check_feature_input,
+    check_float,
+    check_positive_int,
+    compute_dtype,
+)
 from ..random import gaussian, make_generator, rademacher, randint
 from ._hadamard import hadamard_columns, next_power_of_two
 from .base import FeatureMap, register
@@ -102,6 +108,11 @@ class PolySketch(FeatureMap):
             ``target_kernel`` becomes (x·y)^{2p}. This estimate is biased upward:
             E[(φx·φy)²] = (x·y)^{2p} + Var[φx·φy]; the instance ``kind`` is then
             ``"approximate"``.
+        output_scale: c > 0 multiplying every feature (default 1): E[φx·φy] = c²(x·y)^p
+            and ``target_kernel`` carries the same factor (c⁴ when ``nonnegative``). The
+            public code's normalization is c = 1/√r; in attention with a normalizer offset
+            (1 + Σ) or beside exact local scores (``psf_mixed``) the constant is not
+            neutral: c = 1/√r weighs the sketched scores r² times less.
         seed / generator: source of the random buffers.
 
     Buffers (float32 / int64, cast to the input's compute dtype at use):
@@ -127,6 +138,7 @@ class PolySketch(FeatureMap):
         num_features: int = 32,
         projection: str = "gaussian",
         nonnegative: bool = False,
+        output_scale: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -136,6 +148,8 @@ class PolySketch(FeatureMap):
         self.degree = check_positive_int(degree, "degree")
         self.num_features = check_positive_int(num_features, "num_features")
         self.projection = check_choice(projection, "projection", PROJECTIONS)
+        self.output_scale = check_float(output_scale, "output_scale", minimum=0.0,
+                                        strict_minimum=True)  # fmt: skip
         if nonnegative:
             self.kind = "approximate"  # E[(φx·φy)²] = (x·y)^{2p} + Var: biased upward
         self.levels = math.ceil(math.log2(self.degree)) if self.degree > 1 else 0
@@ -209,7 +223,11 @@ class PolySketch(FeatureMap):
 
     # ----- features ------------------------------------------------------------------------
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x): (..., D) -> (..., r); one matmul for the leaves and the first node level, then
+        z = self._sketch(x)
+        return z if self.output_scale == 1.0 else z * self.output_scale
+
+    def _sketch(self, x: torch.Tensor) -> torch.Tensor:
+        """φ(x) / output_scale: (..., D) -> (..., r); one matmul for the leaves and the first node level, then
         one batched matmul per further level.
 
         The first node level only sees leaves, and a leaf is linear in x, so node k's factors
@@ -264,7 +282,9 @@ class PolySketch(FeatureMap):
         dtype = compute_dtype(x.dtype)
         dots = x.to(dtype) @ y.to(dtype).transpose(-1, -2)
         power = 2 * self.degree if self.square else self.degree
-        return (dots**power).to(x.dtype)
+        factor = self.output_scale ** (4 if self.square else 2)
+        out = dots**power
+        return (out if factor == 1.0 else out * factor).to(x.dtype)
 
     def extra_repr(self) -> str:
         levels = []
@@ -274,5 +294,6 @@ class PolySketch(FeatureMap):
             levels.append(f"{lv.kind}×{lv.nodes}: {inputs}{pad}->{lv.out_dim}")
         return (
             f"{super().extra_repr()}, degree={self.degree}, projection={self.projection!r}, "
-            f"sketch_tree=[{'; '.join(levels)}]"
+            + (f"output_scale={self.output_scale:g}, " if self.output_scale != 1.0 else "")
+            + f"sketch_tree=[{'; '.join(levels)}]"
         )
