@@ -52,8 +52,7 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
     ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
     (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` with
     the public code's feature scale 1/√r (far sketched scores weigh r² less than the exact
-    local block); ``psf_mixed`` with no sketch contribution at all (``output_scale`` 1e-6:
-    block-local exact attention, the control for the previous one); ``psf_learned`` with
+    local block); ``psf_learned`` with
     normalizer offset 0 (its initial scores are ~1e-4, so the 1 of 1 + Σ owns the
     normalizer)."""
     warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
@@ -64,7 +63,6 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
         "psf_random_product": ("psf_random", {"projection": "product"}, {}),
         "psf_learned+warm": ("psf_learned", {}, warm),
         "psf_mixed_public_scale": ("psf_mixed", {"output_scale": 32**-0.5}, {}),
-        "psf_mixed_local_only": ("psf_mixed", {"output_scale": 1e-6}, {}),
         "psf_learned_offset0": ("psf_learned", {"denominator_offset": 0.0}, {}),
     }
 
