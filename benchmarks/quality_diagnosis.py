@@ -24,6 +24,7 @@ from polysketch.data.corpus import load_corpus
 from polysketch.eval.plots import log_axes, save_png, subplots
 from polysketch.eval.quality_diagnosis import (
     capture_qkv,
+    debiased_core,
     grad_norms,
     kernel_errors,
     layer_errors,
@@ -41,6 +42,10 @@ VARIANTS = {
     "product, r=64": {**SKETCH, "num_features": 64, "projection": "product"},
     "tree, r=128": {**SKETCH, "num_features": 128},
     "psf_mixed (tree, r=32)": {**SKETCH, "num_features": 32, "mixed": True},
+    "psf_mixed, public scale 1/√r": {**SKETCH, "num_features": 32, "mixed": True,
+                                     "output_scale": 32**-0.5},  # fmt: skip
+    "local exact only (mixed, far ×1e-24)": {**SKETCH, "num_features": 32, "mixed": True,
+                                             "output_scale": 1e-6},  # fmt: skip
 }
 
 
@@ -118,6 +123,10 @@ def main(argv=None) -> int:
         b = torch.nn.functional.layer_norm(torch.randn(128, dim, generator=g, dtype=torch.float64), (dim,))  # fmt: skip
         kern += [{"data": f"LayerNorm'd Gaussian D={dim}", **r}
                  for r in kernel_errors(a, b, sizes=(16, 32, 64, 128), draws=8)]  # fmt: skip
+    a = torch.nn.functional.layer_norm(torch.randn(128, 64, generator=g, dtype=torch.float64), (64,))
+    b = torch.nn.functional.layer_norm(torch.randn(128, 64, generator=g, dtype=torch.float64), (64,))  # fmt: skip
+    kern += [{"data": "LayerNorm'd Gaussian D=64, degree-4 sketch", **r}
+             for r in kernel_errors(a, b, sizes=(32, 64, 128), draws=8, degree=4)]  # fmt: skip
     _write(out / "quality_diagnosis_kernel.csv", kern)
     md += ["## 2. Relative Frobenius error of the (q·k)^4 estimate; floor × r in units of "
            "‖q‖⁴‖k‖⁴\n", _md(kern), ""]  # fmt: skip
@@ -128,6 +137,9 @@ def main(argv=None) -> int:
         kw = {key: v for key, v in spec.items() if key != "name"}
         swap.append({"core": label, "val_loss": swap_loss(poly, batches,
                                                           sketch_core(spec["name"], **kw))})  # fmt: skip
+    for beta in (0.5, 1.0):  # subtract β·‖q‖⁴‖k‖⁴/r, the floor's rank-1 part (signed scores)
+        swap.append({"core": f"psf_random minus {beta:g}×floor (debiased)",
+                     "val_loss": swap_loss(poly, batches, debiased_core(beta))})  # fmt: skip
     if args.random_ckpt:
         rnd = load_model(args.random_ckpt, "cpu")[0]
         swap.append({"core": "psf_random-trained model, its own sketch",
@@ -168,17 +180,17 @@ def _plot(layer_rows, kern, swap, path):
     labels = list(dict.fromkeys(r["variant"] for r in poly))
     for key, marker in (("output_rel_error", "o"), ("floor_share", "s")):
         vals = [sum(r[key] for r in poly if r["variant"] == v) / max(1, sum(r["variant"] == v for r in poly)) for v in labels]  # fmt: skip
-        ax.plot(range(len(labels)), vals, marker=marker, label=key.replace("_", " "))
-    ax.set_xticks(range(len(labels)), [lb.replace(" (", "\n(") for lb in labels], fontsize=6)
+        ax.plot(range(len(labels)), vals, marker=marker, ls="", label=key.replace("_", " "))
+    ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=30, ha="right")
     ax.set_title("polynomial-trained q/k/v: mean over layers")
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     ax = axes[1]
-    for data in dict.fromkeys(r["data"] for r in kern):
+    for data in dict.fromkeys(r["data"] for r in kern if r["degree"] == 4):
         for proj, style in (("gaussian", "-"), ("product", "--")):
             rows = [r for r in kern if r["data"] == data and r["projection"] == proj]
             ax.plot([r["r"] for r in rows], [r["rel_error"] for r in rows], style, marker="o",
-                    ms=3, label=f"{data[:22]} {proj}")  # fmt: skip
+                    ms=3, label=f"{data.split(' (')[0].replace(chr(39) + 'd Gaussian', '')} {proj}")  # fmt: skip
     log_axes(ax)
     ax.set_xlabel("sketch size r")
     ax.set_title("rel. error of (q·k)^4 estimate (– tree, -- product)")

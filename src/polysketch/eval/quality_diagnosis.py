@@ -49,6 +49,7 @@ __all__ = [
     "kernel_errors",
     "swap_loss",
     "sketch_core",
+    "debiased_core",
     "learned_sketch_stats",
     "grad_norms",
 ]
@@ -155,16 +156,18 @@ def layer_errors(
             bias = (mean_s - s_exact).masked_fill(~causal, 0.0)
             total = mean_s.masked_fill(~causal, 0.0)
             s_one = s * s if square else s  # the last draw's scores
+            na = float("nan")  # mixed: local scores are exact, the sketch-only stats don't apply
+            mixed = bool(spec.get("mixed"))
             rows.append(
                 {
                     "layer": layer,
                     "variant": label,
                     "output_rel_error": sum(errs) / len(errs),
-                    "floor_share": float(bias.sum(-1).mean() / total.sum(-1).mean()),
+                    "floor_share": na if mixed else float(bias.sum(-1).mean() / total.sum(-1).mean()),
                     "entropy_exact": _row_entropy(s_exact, offset),
-                    "entropy_sketch": _row_entropy(s_one, offset),
-                    "score_rel_error": _rel(s_one.masked_fill(~causal, 0.0),
-                                            s_exact.masked_fill(~causal, 0.0)),  # fmt: skip
+                    "entropy_sketch": na if mixed else _row_entropy(s_one, offset),
+                    "score_rel_error": na if mixed else _rel(s_one.masked_fill(~causal, 0.0),
+                                                             s_exact.masked_fill(~causal, 0.0)),  # fmt: skip
                 }
             )
     return rows
@@ -178,20 +181,22 @@ def kernel_errors(
     projections=("gaussian", "product"),
     sizes=(16, 32, 64, 128),
     draws: int = 10,
+    degree: int = 2,
 ) -> list[dict]:
-    """Relative Frobenius error of the self-tensored degree-2 sketch against (q·k)⁴ on rows
-    q (N, D), k (M, D) (fp64), per projection and r: mean over ``draws`` seeds, plus the
-    measured floor: mean over pairs of (E s − (q·k)⁴) / (‖q‖⁴‖k‖⁴/r)."""
+    """Relative Frobenius error of the self-tensored degree-p sketch (p = ``degree``) against
+    (q·k)^{2p} on rows q (N, D), k (M, D) (fp64), per projection and r: mean over ``draws``
+    seeds, plus the measured floor: mean over pairs of (E s − (q·k)^{2p}) / (‖q‖^{2p}‖k‖^{2p}/r)
+    and the signal-to-floor ratio: mean over rows of max_j (q·k_j)^{2p} / Σ_j floor_j."""
     q, k = q.double(), k.double()
-    target = (q @ k.T) ** 4
-    unit = (q.norm(dim=-1, keepdim=True) ** 4) * (k.norm(dim=-1) ** 4)
+    target = (q @ k.T) ** (2 * degree)
+    unit = (q.norm(dim=-1, keepdim=True) ** (2 * degree)) * (k.norm(dim=-1) ** (2 * degree))
     rows = []
     for proj in projections:
         for r in sizes:
             errs, mean = [], torch.zeros_like(target)
             for d in range(draws):
                 fm = create("polysketch", q.shape[-1], num_features=r, projection=proj,
-                            nonnegative=True, seed=d)  # fmt: skip
+                            nonnegative=True, degree=degree, seed=d)  # fmt: skip
                 est = fm.approx_kernel(q, k)
                 errs.append(_rel(est, target))
                 mean += est / draws
@@ -200,8 +205,12 @@ def kernel_errors(
                     "projection": proj,
                     "r": r,
                     "dim": q.shape[-1],
+                    "degree": 2 * degree,
                     "rel_error": sum(errs) / len(errs),
                     "floor_times_r": float(((mean - target) / unit).mean() * r),
+                    "signal_to_floor": float(
+                        (target.max(-1).values / (mean - target).sum(-1)).mean()
+                    ),
                 }
             )
     return rows
@@ -242,6 +251,24 @@ def sketch_core(name: str, seed: int = 0, mixed: bool = False, chunk_size: int =
                                    denominator_offset=layer.denominator_offset)  # fmt: skip
         return linear_attention(pq, pk, v, causal=True, square=square,
                                 denominator_offset=layer.denominator_offset)  # fmt: skip
+
+    return core
+
+
+def debiased_core(beta: float, num_features: int = 32, projection: str = "gaussian"):
+    """A quadratic-time ``swap_loss`` core: squared-sketch scores minus β·‖q‖⁴‖k‖⁴/r (the
+    floor's rank-1 part, computable in linear time too), causal, normalizer offset + Σ.
+    The scores are signed; this measures whether removing the floor's mean helps."""
+
+    def core(layer, q, k, v):
+        pq, pk, _ = sketch_features(q, k, "polysketch", layer.layer_index,
+                                    num_features=num_features, projection=projection,
+                                    nonnegative=True)  # fmt: skip
+        s = (pq @ pk.transpose(-1, -2)) ** 2
+        b = beta * q.norm(dim=-1, keepdim=True) ** 4 * (k.norm(dim=-1) ** 4).unsqueeze(-2)
+        t = s.shape[-1]
+        w = (s - b / num_features).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), 0.0)
+        return (w @ v) / (layer.denominator_offset + w.sum(-1, keepdim=True))
 
     return core
 
