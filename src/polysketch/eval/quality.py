@@ -50,9 +50,9 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
     """The remedies of issue #10 (``docs/quality_gap.md``), label -> (attention, map_kwargs,
     train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
     ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
-    (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` with
-    the public code's feature scale 1/√r (far sketched scores weigh r² less than the exact
-    local block); ``psf_learned`` with
+    (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
+    our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
+    which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
     normalizer offset 0 (its initial scores are ~1e-4, so the 1 of 1 + Σ owns the
     normalizer)."""
     warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
@@ -62,7 +62,7 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
         "psf_random_r64": ("psf_random", {"num_features": 64}, {}),
         "psf_random_product": ("psf_random", {"projection": "product"}, {}),
         "psf_learned+warm": ("psf_learned", {}, warm),
-        "psf_mixed_public_scale": ("psf_mixed", {"output_scale": 32**-0.5}, {}),
+        "psf_mixed_unbiased_scale": ("psf_mixed", {"output_scale": 1.0}, {}),
         "psf_learned_offset0": ("psf_learned", {"denominator_offset": 0.0}, {}),
     }
 
