@@ -41,8 +41,8 @@ VARIANTS = {
     "tree, r=64": {**SKETCH, "num_features": 64},
     "product, r=64": {**SKETCH, "num_features": 64, "projection": "product"},
     "tree, r=128": {**SKETCH, "num_features": 128},
-    "psf_mixed (tree, r=32)": {**SKETCH, "num_features": 32, "mixed": True},
-    "psf_mixed, public scale 1/√r": {**SKETCH, "num_features": 32, "mixed": True,
+    "psf_mixed, unbiased scale 1 (former preset)": {**SKETCH, "num_features": 32, "mixed": True},
+    "psf_mixed, public scale 1/√r (preset)": {**SKETCH, "num_features": 32, "mixed": True,
                                      "output_scale": 32**-0.5},  # fmt: skip
     "local exact only (mixed, far ×1e-24)": {**SKETCH, "num_features": 32, "mixed": True,
                                              "output_scale": 1e-6},  # fmt: skip

@@ -159,16 +159,20 @@ def _running_mean(values: Sequence[float], window: int) -> list[float]:
 def plot_curves(results: dict[str, dict], path, *, title: str = "", window: int = 20) -> Path:
     """Training loss (running mean over ``window`` steps) and validation loss vs step."""
     fig, (ax_train, ax_val) = subplots(2, panel_size=(5.5, 4.0))
-    for label, r in results.items():
+    for i, (label, r) in enumerate(results.items()):
         steps = [h["step"] for h in r["history"]]
         (line,) = ax_train.plot(
-            steps, _running_mean([h["loss"] for h in r["history"]], window), label=label
+            steps,
+            _running_mean([h["loss"] for h in r["history"]], window),
+            label=label,
+            ls="-" if i < 10 else "--",  # the default color cycle has 10 colors
         )
         ax_val.plot(
             [v["step"] for v in r["val"]],
             [v["loss"] for v in r["val"]],
             marker="o",
             ms=3,
+            ls=line.get_linestyle(),
             color=line.get_color(),
             label=label,
         )
