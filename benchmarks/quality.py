@@ -30,10 +30,10 @@ from polysketch.data.corpus import load_corpus
 from polysketch.eval.quality import (
     compare,
     default_attentions,
-    remedy_attentions,
     format_table,
     plot_curves,
     quality_table,
+    remedy_attentions,
 )
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
                 results[label] = saved["result"]
                 print(f"{label:>12s}: reused {path}")
                 continue
+        one = {label: choices[label]}
         results.update(
-            compare({label: choices[label]}, corpus, model_config, train_config,
-                    progress=not args.no_progress)  # fmt: skip
+            compare(one, corpus, model_config, train_config, progress=not args.no_progress)
         )
         path.write_text(json.dumps({"key": key, "spec": spec, "result": results[label]}))
     rows = quality_table(results)

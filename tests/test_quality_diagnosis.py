@@ -46,12 +46,17 @@ def test_layer_errors_and_swap_loss_on_a_polynomial_model():
     qkv = capture_qkv(model, x)
     assert len(qkv) == 2 and qkv[0][0].shape == (2, 2, 32, 16)
     # the captured inputs are those of the core: polynomial attention on them is its output
-    spec = {"r8": {"name": "polysketch", "num_features": 8, "nonnegative": True},
-            "r128": {"name": "polysketch", "num_features": 128, "nonnegative": True}}  # fmt: skip
+    spec = {
+        "r8": {"name": "polysketch", "num_features": 8, "nonnegative": True},
+        "r128": {"name": "polysketch", "num_features": 128, "nonnegative": True},
+    }
     rows = layer_errors(qkv, spec, draws=2)
     assert [(r["layer"], r["variant"]) for r in rows] == [
-        (0, "r8"), (0, "r128"), (1, "r8"), (1, "r128")
-    ]  # fmt: skip
+        (0, "r8"),
+        (0, "r128"),
+        (1, "r8"),
+        (1, "r128"),
+    ]
     for a, b in ((rows[0], rows[1]), (rows[2], rows[3])):
         assert 0 < b["floor_share"] < a["floor_share"] < 1
         assert b["output_rel_error"] < a["output_rel_error"]
@@ -59,12 +64,15 @@ def test_layer_errors_and_swap_loss_on_a_polynomial_model():
     assert base == float(model(x, y)[1].detach())
 
     def exact(layer, q, k, v):
-        return polynomial_attention(q, k, v, degree=4, causal=True,
-                                    denominator_offset=layer.denominator_offset)  # fmt: skip
+        return polynomial_attention(
+            q, k, v, degree=4, causal=True, denominator_offset=layer.denominator_offset
+        )
 
     assert abs(swap_loss(model, [(x, y)], exact) - base) < 1e-6
-    assert swap_loss(model, [(x, y)], sketch_core("polysketch", num_features=8,
-                                                  nonnegative=True)) != base  # fmt: skip
+    assert (
+        swap_loss(model, [(x, y)], sketch_core("polysketch", num_features=8, nonnegative=True))
+        != base
+    )
     assert all(not hasattr(m, "__dict__") or "_attend" not in m.__dict__ for m in model.modules())
 
 

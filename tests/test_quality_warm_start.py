@@ -26,8 +26,16 @@ def tiny_model(**kw):
 
 
 def tiny_train(out_dir=None, **kw):
-    base = dict(steps=6, batch_size=4, lr=1e-2, min_lr=1e-3, warmup_steps=2, eval_interval=2,
-                eval_batches=2, log_interval=1)  # fmt: skip
+    base = dict(
+        steps=6,
+        batch_size=4,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=2,
+        eval_interval=2,
+        eval_batches=2,
+        log_interval=1,
+    )
     base["out_dir"] = None if out_dir is None else str(out_dir)
     return TrainConfig(**{**base, **kw})
 
@@ -93,14 +101,16 @@ def test_training_switches_at_n_and_resumes_on_either_side(tmp_path, corpus):
     assert all(b.attn.exact_degree is None for b in model.blocks)  # ends in sketch mode
     for stop, folder in ((2, "before"), (4, "after")):
         out = tmp_path / folder
-        first = train(mc, tiny_train(out, warm_start_steps=3), corpus, progress=False,
-                      stop_after=stop)  # fmt: skip
+        first = train(
+            mc, tiny_train(out, warm_start_steps=3), corpus, progress=False, stop_after=stop
+        )
         assert _losses(first) == ls[:stop]
         assert [b.attn.exact_degree for b in first["model"].blocks] == (
             [4, 4] if stop < 3 else [None, None]
         )
-        resumed = train(mc, tiny_train(out, warm_start_steps=3), corpus, progress=False,
-                        resume=True)  # fmt: skip
+        resumed = train(
+            mc, tiny_train(out, warm_start_steps=3), corpus, progress=False, resume=True
+        )
         assert _losses(resumed) == ls
         assert [v["loss"] for v in resumed["val"]] == [v["loss"] for v in straight["val"]]
         assert all(b.attn.exact_degree is None for b in resumed["model"].blocks)
@@ -112,18 +122,57 @@ def test_cli_warm_start_flag_is_stored_and_resumed(tmp_path, capsys):
     path = tmp_path / "corpus.txt"
     path.write_text(TEXT)
     out = tmp_path / "run"
-    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-            "--chunk-size", "8", "--batch-size", "4", "--eval-batches", "2", "--no-progress"]  # fmt: skip
-    args = ["train", "--corpus", str(path), "--out", str(out), "--steps", "3",
-            "--attention", "psf_random", "--warm-start-steps", "2", *tiny]  # fmt: skip
+    tiny = [
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "16",
+        "--chunk-size",
+        "8",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--no-progress",
+    ]
+    args = [
+        "train",
+        "--corpus",
+        str(path),
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--attention",
+        "psf_random",
+        "--warm-start-steps",
+        "2",
+        *tiny,
+    ]
     assert main(args) == 0
     state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
     assert state["train_config"]["warm_start_steps"] == 2
     assert main(["train", "--out", str(out), "--resume", "--steps", "4", "--no-progress"]) == 0
     assert load_checkpoint(out / "ckpt.pt", restore_rng=False)["step"] == 4
     capsys.readouterr()
-    bad = ["train", "--corpus", str(path), "--out", str(tmp_path / "bad"), "--steps", "2",
-           "--attention", "softmax", "--warm-start-steps", "1", *tiny]  # fmt: skip
+    bad = [
+        "train",
+        "--corpus",
+        str(path),
+        "--out",
+        str(tmp_path / "bad"),
+        "--steps",
+        "2",
+        "--attention",
+        "softmax",
+        "--warm-start-steps",
+        "1",
+        *tiny,
+    ]
     assert main(bad) == 2
     assert "no sketched attention" in capsys.readouterr().err
     bad[bad.index("softmax")] = "psf_random"

@@ -94,8 +94,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     opt.add_argument("--amp", choices=["bf16"], default=None)
     opt.add_argument("--seed", type=int, default=tdef.seed, help="model, feature maps, data")
     opt.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    opt.add_argument("--warm-start-steps", type=int, default=tdef.warm_start_steps,
-        help="train the first N steps with exact polynomial attention, then the sketch")  # fmt: skip
+    opt.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=tdef.warm_start_steps,
+        help="train the first N steps with exact polynomial attention, then the sketch",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument("--out", default="runs/train", help="folder for metrics and ckpt.pt")

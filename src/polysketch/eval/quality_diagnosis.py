@@ -144,12 +144,22 @@ def layer_errors(
             for d in range(draws):
                 pq, pk, square = sketch_features(q, k, spec["name"], 1000 + d, **kw)
                 if spec.get("mixed"):
-                    out = mixed_attention(q, k, v, pq, pk, chunk_size=chunk_size,
-                                          local="polynomial", degree=degree, square=square,
-                                          denominator_offset=offset)  # fmt: skip
+                    out = mixed_attention(
+                        q,
+                        k,
+                        v,
+                        pq,
+                        pk,
+                        chunk_size=chunk_size,
+                        local="polynomial",
+                        degree=degree,
+                        square=square,
+                        denominator_offset=offset,
+                    )
                 else:
-                    out = linear_attention(pq, pk, v, causal=True, square=square,
-                                           denominator_offset=offset)  # fmt: skip
+                    out = linear_attention(
+                        pq, pk, v, causal=True, square=square, denominator_offset=offset
+                    )
                 errs.append(_rel(out, exact))
                 s = pq @ pk.transpose(-1, -2)
                 mean_s += (s * s if square else s) / draws
@@ -163,11 +173,14 @@ def layer_errors(
                     "layer": layer,
                     "variant": label,
                     "output_rel_error": sum(errs) / len(errs),
-                    "floor_share": na if mixed else float(bias.sum(-1).mean() / total.sum(-1).mean()),
+                    "floor_share": na
+                    if mixed
+                    else float(bias.sum(-1).mean() / total.sum(-1).mean()),
                     "entropy_exact": _row_entropy(s_exact, offset),
                     "entropy_sketch": na if mixed else _row_entropy(s_one, offset),
-                    "score_rel_error": na if mixed else _rel(s_one.masked_fill(~causal, 0.0),
-                                                             s_exact.masked_fill(~causal, 0.0)),  # fmt: skip
+                    "score_rel_error": na
+                    if mixed
+                    else _rel(s_one.masked_fill(~causal, 0.0), s_exact.masked_fill(~causal, 0.0)),
                 }
             )
     return rows
@@ -195,8 +208,15 @@ def kernel_errors(
         for r in sizes:
             errs, mean = [], torch.zeros_like(target)
             for d in range(draws):
-                fm = create("polysketch", q.shape[-1], num_features=r, projection=proj,
-                            nonnegative=True, degree=degree, seed=d)  # fmt: skip
+                fm = create(
+                    "polysketch",
+                    q.shape[-1],
+                    num_features=r,
+                    projection=proj,
+                    nonnegative=True,
+                    degree=degree,
+                    seed=d,
+                )
                 est = fm.approx_kernel(q, k)
                 errs.append(_rel(est, target))
                 mean += est / draws
@@ -246,11 +266,21 @@ def sketch_core(name: str, seed: int = 0, mixed: bool = False, chunk_size: int =
     def core(layer, q, k, v):
         pq, pk, square = sketch_features(q, k, name, seed * 1000 + layer.layer_index, **kw)
         if mixed:
-            return mixed_attention(q, k, v, pq, pk, chunk_size=chunk_size, local="polynomial",
-                                   degree=4, square=square,
-                                   denominator_offset=layer.denominator_offset)  # fmt: skip
-        return linear_attention(pq, pk, v, causal=True, square=square,
-                                denominator_offset=layer.denominator_offset)  # fmt: skip
+            return mixed_attention(
+                q,
+                k,
+                v,
+                pq,
+                pk,
+                chunk_size=chunk_size,
+                local="polynomial",
+                degree=4,
+                square=square,
+                denominator_offset=layer.denominator_offset,
+            )
+        return linear_attention(
+            pq, pk, v, causal=True, square=square, denominator_offset=layer.denominator_offset
+        )
 
     return core
 
@@ -261,9 +291,15 @@ def debiased_core(beta: float, num_features: int = 32, projection: str = "gaussi
     The scores are signed; this measures whether removing the floor's mean helps."""
 
     def core(layer, q, k, v):
-        pq, pk, _ = sketch_features(q, k, "polysketch", layer.layer_index,
-                                    num_features=num_features, projection=projection,
-                                    nonnegative=True)  # fmt: skip
+        pq, pk, _ = sketch_features(
+            q,
+            k,
+            "polysketch",
+            layer.layer_index,
+            num_features=num_features,
+            projection=projection,
+            nonnegative=True,
+        )
         s = (pq @ pk.transpose(-1, -2)) ** 2
         b = beta * q.norm(dim=-1, keepdim=True) ** 4 * (k.norm(dim=-1) ** 4).unsqueeze(-2)
         t = s.shape[-1]

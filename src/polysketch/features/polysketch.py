@@ -227,8 +227,8 @@ class PolySketch(FeatureMap):
         return z if self.output_scale == 1.0 else z * self.output_scale
 
     def _sketch(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x) / output_scale: (..., D) -> (..., r); one matmul for the leaves and the first node level, then
-        one batched matmul per further level.
+        """φ(x) / output_scale: (..., D) -> (..., r); one matmul for the leaves and the first
+        node level, then one batched matmul per further level.
 
         The first node level only sees leaves, and a leaf is linear in x, so node k's factors
         u G_(k,0) = √(1/r)·x W_(2k) G_(k,0) come from one GEMM with the D×r matrices W G
