@@ -107,8 +107,7 @@ PRESETS: dict[str, dict] = {
         "description": (
             "PolySketchFormer mixed: exact local polynomial degree 4 inside blocks of "
             "chunk_size plus the psf_random sketch (Gaussian degree-2, r = 32, square) for "
-            "earlier blocks at the public code's scale (features × 1/√r), LayerNorm on q/k, "
-            "shared normalizer 1 + Σ"
+            "earlier blocks, LayerNorm on q/k, shared normalizer 1 + Σ"
         ),
         "settings": {
             "algorithm": "mixed",
