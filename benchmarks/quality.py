@@ -2,7 +2,13 @@
 steps, data and seed), on the default corpus; see ``polysketch.eval.quality``.
 
 Usage: python benchmarks/quality.py [--steps 250] [--corpus shakespeare] [--out runs/quality]
-       [--attentions softmax polynomial psf_random psf_learned] [--quick]
+       [--attentions softmax polynomial psf_random psf_learned] [--remedies] [--reuse]
+       [--quick]
+
+``--remedies`` adds the remedies of issue #10 (``eval.quality.remedy_attentions``: psf_mixed,
+polynomial warm start, r = 64, the public code's one-node sketch; ``docs/quality_gap.md``).
+Each label's result is saved as it finishes (``OUT/runs/LABEL.json``, checkpoint in
+``OUT/runs/LABEL/``); ``--reuse`` skips labels whose result is there with the same settings.
 
 Writes ``quality.csv``, ``quality.md`` (markdown table) and ``quality.png`` (loss curves) into
 ``--out``. The defaults (4 layers, 128 wide, 4 heads, block 256, batch 8) are sized so the four
@@ -15,6 +21,7 @@ import argparse
 import csv
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,6 +33,7 @@ from polysketch.eval.quality import (
     format_table,
     plot_curves,
     quality_table,
+    remedy_attentions,
 )
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig
@@ -50,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--out", default="runs/quality")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--remedies", action="store_true", help="add the issue #10 remedies")
+    p.add_argument("--warm-fraction", type=float, default=0.3, help="warm start: share of steps")
+    p.add_argument("--reuse", action="store_true", help="skip labels already run (same setup)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,7 +68,9 @@ def main(argv=None) -> int:
         args.steps, args.n_layer, args.n_embd, args.block_size = 20, 1, 32, 64
         args.eval_interval, args.eval_batches, args.max_bytes = 10, 2, 200_000
 
-    choices = default_attentions()
+    choices = dict(default_attentions())
+    if args.remedies:
+        choices.update(remedy_attentions(args.steps, args.warm_fraction))
     labels = args.attentions or list(choices)
     missing = [a for a in labels if a not in choices]
     if missing:
@@ -84,25 +97,37 @@ def main(argv=None) -> int:
         seed=args.seed,
     )
     t0 = time.perf_counter()
-    results = compare(
-        {k: choices[k] for k in labels},
-        corpus,
-        model_config,
-        train_config,
-        progress=not args.no_progress,
-    )
+    out = Path(args.out)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    train_config.out_dir = str(runs)
+    key = {"model": asdict(model_config), "train": asdict(train_config), "corpus": corpus.source}
+    results = {}
+    for label in labels:  # one at a time, saved as it finishes (--reuse skips finished ones)
+        path = runs / f"{label.replace('/', '_')}.json"
+        spec = [choices[label][0], choices[label][1], *choices[label][2:]]
+        if args.reuse and path.is_file():
+            saved = json.loads(path.read_text())
+            if saved["key"] == json.loads(json.dumps(key)) and saved["spec"] == spec:
+                results[label] = saved["result"]
+                print(f"{label:>12s}: reused {path}")
+                continue
+        one = {label: choices[label]}
+        results.update(
+            compare(one, corpus, model_config, train_config, progress=not args.no_progress)
+        )
+        path.write_text(json.dumps({"key": key, "spec": spec, "result": results[label]}))
     rows = quality_table(results)
     table = format_table(rows)
     setup = (
         f"corpus={corpus.source} ({len(corpus.train):,} train / {len(corpus.val):,} val bytes), "
         f"{args.n_layer} layers × {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
-        f"batch {args.batch_size}, {args.steps} steps, lr {args.lr}, seed {args.seed}; "
-        f"{time.perf_counter() - t0:.0f} s in all"
+        f"batch {args.batch_size}, {args.steps} steps, lr {args.lr}, seed {args.seed}, "
+        f"threads {torch.get_num_threads()}; {sum(r['train_s'] for r in results.values()):.0f} s "
+        f"of training in all ({time.perf_counter() - t0:.0f} s in this invocation)"
     )
     print(setup)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / "quality.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..data.corpus import load_corpus
 from ..data.mqar import MQARConfig
-from ..nn import TransformerConfig, valid_attentions
+from ..nn import TransformerConfig, TransformerLM, valid_attentions
 from ..train import CHECKPOINT_NAME, MQARData, TrainConfig, load_checkpoint, train
 from ..train.distributed import env_world_size, rank_slice
 
@@ -98,6 +98,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
         help="torch.compile the model (backend: inductor when the flag is given alone)",
     )  # fmt: skip
+    opt.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=tdef.warm_start_steps,
+        help="train the first N steps with exact polynomial attention, then the sketch",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument("--out", default="runs/train", help="folder for metrics and ckpt.pt")
@@ -155,7 +161,10 @@ def _configs_from_args(args):
         checkpoint_interval=args.checkpoint_interval,
         device=args.device,
         compile=args.compile,
+        warm_start_steps=args.warm_start_steps,
     ).validate()
+    if train_config.warm_start_steps:
+        TransformerLM(model_config).set_exact_attention(True)  # fail early: nothing to switch
     return model_config, train_config, source
 
 

@@ -22,7 +22,14 @@ from ..nn import PRESETS, TransformerConfig, valid_attentions
 from ..train import TrainConfig, train
 from .plots import save_png, subplots
 
-__all__ = ["default_attentions", "compare", "quality_table", "format_table", "plot_curves"]
+__all__ = [
+    "default_attentions",
+    "remedy_attentions",
+    "compare",
+    "quality_table",
+    "format_table",
+    "plot_curves",
+]
 
 
 def default_attentions() -> dict[str, tuple[str, dict]]:
@@ -39,8 +46,29 @@ def default_attentions() -> dict[str, tuple[str, dict]]:
     return out
 
 
+def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple]:
+    """The remedies of issue #10 (``docs/quality_gap.md``), label -> (attention, map_kwargs,
+    train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
+    ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
+    (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
+    our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
+    which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
+    normalizer offset 0 (its initial scores are ~1e-4, so the 1 of 1 + Σ owns the
+    normalizer)."""
+    warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
+    return {
+        "psf_mixed": ("psf_mixed", {}, {}),
+        "psf_random+warm": ("psf_random", {}, warm),
+        "psf_random_r64": ("psf_random", {"num_features": 64}, {}),
+        "psf_random_product": ("psf_random", {"projection": "product"}, {}),
+        "psf_learned+warm": ("psf_learned", {}, warm),
+        "psf_mixed_unbiased_scale": ("psf_mixed", {"output_scale": 1.0}, {}),
+        "psf_learned_offset0": ("psf_learned", {"denominator_offset": 0.0}, {}),
+    }
+
+
 def compare(
-    attentions: dict[str, tuple[str, dict]],
+    attentions: dict[str, tuple],
     corpus,
     model_config: TransformerConfig,
     train_config: TrainConfig,
@@ -48,18 +76,19 @@ def compare(
     progress: bool = True,
     log=print,
 ) -> dict[str, dict]:
-    """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw).
+    """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw)
+    or (a, kw, train_overrides) (fields of ``TrainConfig``, e.g. ``warm_start_steps``).
 
     Returns label -> {"history": train rows, "val": val rows, "params", "train_s",
     "attention", "map_kwargs"}. ``train_config.out_dir`` (if set) gets one subfolder per label.
     """
-    unknown = [a for a, _ in attentions.values() if a not in valid_attentions()]
+    unknown = [spec[0] for spec in attentions.values() if spec[0] not in valid_attentions()]
     if unknown:
         raise ValueError(f"attentions: unknown {unknown}; choose from {valid_attentions()}")
     results = {}
-    for label, (attention, map_kwargs) in attentions.items():
+    for label, (attention, map_kwargs, *extra) in attentions.items():
         mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs))
-        tc = train_config
+        tc = replace(train_config, **(extra[0] if extra else {}))
         if tc.out_dir is not None:
             tc = replace(tc, out_dir=str(Path(tc.out_dir) / label))
         t0 = time.perf_counter()
@@ -67,6 +96,7 @@ def compare(
         results[label] = {
             "attention": attention,
             "map_kwargs": dict(map_kwargs),
+            "train_overrides": dict(extra[0]) if extra else {},
             "history": history["train"],
             "val": history["val"],
             "params": history["model"].num_parameters(),
@@ -129,16 +159,20 @@ def _running_mean(values: Sequence[float], window: int) -> list[float]:
 def plot_curves(results: dict[str, dict], path, *, title: str = "", window: int = 20) -> Path:
     """Training loss (running mean over ``window`` steps) and validation loss vs step."""
     fig, (ax_train, ax_val) = subplots(2, panel_size=(5.5, 4.0))
-    for label, r in results.items():
+    for i, (label, r) in enumerate(results.items()):
         steps = [h["step"] for h in r["history"]]
         (line,) = ax_train.plot(
-            steps, _running_mean([h["loss"] for h in r["history"]], window), label=label
+            steps,
+            _running_mean([h["loss"] for h in r["history"]], window),
+            label=label,
+            ls="-" if i < 10 else "--",  # the default color cycle has 10 colors
         )
         ax_val.plot(
             [v["step"] for v in r["val"]],
             [v["loss"] for v in r["val"]],
             marker="o",
             ms=3,
+            ls=line.get_linestyle(),
             color=line.get_color(),
             label=label,
         )

@@ -22,7 +22,15 @@ random ±1 diagonals, P an n×r matrix whose r columns are i.i.d. uniform coordi
 
     leaf:  √(1/r) · x G,          node:  √(1/r) · (u G1) ∘ (v G2).
 
-Both are unbiased at every node — E[⟨SRHT x, SRHT y⟩] = Σ_i x_i y_i E[H_{ji}²] = ⟨x, y⟩, and
+``"product"`` (the public JAX code's form at p = 2: one node on x, no leaves; G_1 … G_p
+i.i.d. N(0, 1) matrices of shape D×r):
+
+    φ(x) = √(1/r) · (x G_1) ∘ (x G_2) ∘ … ∘ (x G_p),
+
+E[φ(x)·φ(y)] = (1/r) Σ_j Π_i E[(x·g_ij)(y·g_ij)] = ⟨x, y⟩^p. It skips the tree's leaf
+projections (whose own randomness adds variance) and costs one D×(p·r) GEMM per vector.
+
+All three are unbiased at every node — E[⟨SRHT x, SRHT y⟩] = Σ_i x_i y_i E[H_{ji}²] = ⟨x, y⟩, and
 the node's expectation factorizes over its independent children — so
 E[φ(x)·φ(y)] = ⟨x, y⟩^p (conditioning bottom-up on the independent draws).
 """
@@ -34,14 +42,20 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import check_choice, check_feature_input, check_positive_int, compute_dtype
+from .._checks import (
+    check_choice,
+    check_feature_input,
+    check_float,
+    check_positive_int,
+    compute_dtype,
+)
 from ..random import gaussian, make_generator, rademacher, randint
 from ._hadamard import hadamard_columns, next_power_of_two
 from .base import FeatureMap, register
 
 __all__ = ["PolySketch", "SketchLevel"]
 
-PROJECTIONS = ("gaussian", "srht")
+PROJECTIONS = ("gaussian", "srht", "product")
 
 
 class SketchLevel(NamedTuple):
@@ -83,16 +97,27 @@ class PolySketch(FeatureMap):
         num_features: r, the sketch size (default 32, as in the paper's experiments). Any
             r >= 1; for ``"srht"`` node inputs (dim r) are zero-padded to the next power of
             two for the Hadamard transform, the output keeps r coordinates.
-        projection: ``"gaussian"`` (default, as the paper's experiments) or ``"srht"``.
+        projection: ``"gaussian"`` (default, as the paper's experiments), ``"srht"``, or
+            ``"product"`` (the public code's one-node form, no tree; see the module
+            docstring; measured lower variance than the tree on LayerNorm'd q/k,
+            ``docs/quality_gap.md``). The public code divides each of its two matrices by
+            √r, so its scores are ours / r (and / r² after self-tensoring): the same
+            attention with a normalizer offset r² instead of 1.
         nonnegative: if True, the effective features are φ⊗φ (``square=True``): the score is
             (φ(q)·φ(k))² >= 0 and approximates (q·k)^{2p} (§2.1, Thm 2.5), so
             ``target_kernel`` becomes (x·y)^{2p}. This estimate is biased upward:
             E[(φx·φy)²] = (x·y)^{2p} + Var[φx·φy]; the instance ``kind`` is then
             ``"approximate"``.
+        output_scale: c > 0 multiplying every feature (default 1): E[φx·φy] = c²(x·y)^p
+            and ``target_kernel`` carries the same factor (c⁴ when ``nonnegative``). The
+            public code's normalization is c = 1/√r; in attention with a normalizer offset
+            (1 + Σ) or beside exact local scores (``psf_mixed``) the constant is not
+            neutral: c = 1/√r weighs the sketched scores r² times less.
         seed / generator: source of the random buffers.
 
     Buffers (float32 / int64, cast to the input's compute dtype at use):
         gaussian: ``leaf_gaussian`` (L, D, r), ``node_gaussian`` (L − 1, 2, r, r);
+        product: ``product_gaussian`` (p, D, r);
         srht: ``leaf_signs`` (L, n), ``leaf_columns`` (L, r), ``node_signs`` (L − 1, 2, n_r),
         ``node_columns`` (L − 1, 2, r), with L = 2^q leaves, n = next_pow2(D),
         n_r = next_pow2(r); internal nodes are stored level by level, bottom first.
@@ -113,6 +138,7 @@ class PolySketch(FeatureMap):
         num_features: int = 32,
         projection: str = "gaussian",
         nonnegative: bool = False,
+        output_scale: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -122,6 +148,8 @@ class PolySketch(FeatureMap):
         self.degree = check_positive_int(degree, "degree")
         self.num_features = check_positive_int(num_features, "num_features")
         self.projection = check_choice(projection, "projection", PROJECTIONS)
+        self.output_scale = check_float(output_scale, "output_scale", minimum=0.0,
+                                        strict_minimum=True)  # fmt: skip
         if nonnegative:
             self.kind = "approximate"  # E[(φx·φy)²] = (x·y)^{2p} + Var: biased upward
         self.levels = math.ceil(math.log2(self.degree)) if self.degree > 1 else 0
@@ -137,6 +165,8 @@ class PolySketch(FeatureMap):
     def sketch_tree(self) -> tuple[SketchLevel, ...]:
         """The levels of the tree, leaves first: (kind, nodes, in_dim, hadamard_dim, out_dim)."""
         r, srht = self.num_features, self.projection == "srht"
+        if self.projection == "product":  # one node multiplying p projections of x
+            return (SketchLevel("product", self.degree, self.dim, self.dim, r),)
         tree = [
             SketchLevel(
                 "leaf",
@@ -154,7 +184,11 @@ class PolySketch(FeatureMap):
     # ----- randomness ----------------------------------------------------------------------
     def _draw(self, generator: torch.Generator) -> None:
         leaves, nodes, r = self.num_leaves, self.num_leaves - 1, self.num_features
-        if self.projection == "gaussian":
+        if self.projection == "product":
+            self._set_buffer(
+                "product_gaussian", gaussian(self.degree, self.dim, r, generator=generator)
+            )
+        elif self.projection == "gaussian":
             self._set_buffer("leaf_gaussian", gaussian(leaves, self.dim, r, generator=generator))
             self._set_buffer("node_gaussian", gaussian(nodes, 2, r, r, generator=generator))
         else:
@@ -170,8 +204,11 @@ class PolySketch(FeatureMap):
         Returns (W_leaf (L, D, r), W_node (L − 1, 2, r, r)), so that a leaf is
         √(1/r)·x W_leaf[l] and a node is √(1/r)·(u W_node[k, 0]) ∘ (v W_node[k, 1]).
         SRHT: W = diag(signs) H[:, columns] restricted to the first D (resp. r) rows, which
-        equals zero-padding the input to the Hadamard order (Def. 2.3–2.4).
+        equals zero-padding the input to the Hadamard order (Def. 2.3–2.4). Not defined for
+        ``"product"`` (no tree; its matrices are the buffer ``product_gaussian``).
         """
+        if self.projection == "product":
+            raise ValueError('sketch_matrices: projection="product" has no tree')
         if self.projection == "gaussian":
             return self.leaf_gaussian.to(dtype), self.node_gaussian.to(dtype)
         d, r = self.dim, self.num_features
@@ -186,8 +223,12 @@ class PolySketch(FeatureMap):
 
     # ----- features ------------------------------------------------------------------------
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x): (..., D) -> (..., r); one matmul for the leaves and the first node level, then
-        one batched matmul per further level.
+        z = self._sketch(x)
+        return z if self.output_scale == 1.0 else z * self.output_scale
+
+    def _sketch(self, x: torch.Tensor) -> torch.Tensor:
+        """φ(x) / output_scale: (..., D) -> (..., r); one matmul for the leaves and the first
+        node level, then one batched matmul per further level.
 
         The first node level only sees leaves, and a leaf is linear in x, so node k's factors
         u G_(k,0) = √(1/r)·x W_(2k) G_(k,0) come from one GEMM with the D×r matrices W G
@@ -195,6 +236,14 @@ class PolySketch(FeatureMap):
         algebra; the naive level-by-level tree is the reference in the tests.
         """
         p, r, leaves = self.degree, self.num_features, self.num_leaves
+        if self.projection == "product":  # √(1/r) ∘_i (x G_i): one GEMM, then p − 1 products
+            lead, d = x.shape[:-1], self.dim
+            g = self.product_gaussian.to(x.dtype).transpose(0, 1).reshape(d, p * r)
+            y = (x.reshape(-1, d) @ g).view(-1, p, r)
+            z = y[:, 0] * (1.0 / math.sqrt(r))
+            for i in range(1, p):
+                z = z * y[:, i]
+            return z.reshape(*lead, r)
         w_leaf, w_node = self.sketch_matrices(x.dtype)
         scale = 1.0 / math.sqrt(r)
         lead, n_rows = x.shape[:-1], math.prod(x.shape[:-1])
@@ -233,15 +282,18 @@ class PolySketch(FeatureMap):
         dtype = compute_dtype(x.dtype)
         dots = x.to(dtype) @ y.to(dtype).transpose(-1, -2)
         power = 2 * self.degree if self.square else self.degree
-        return (dots**power).to(x.dtype)
+        factor = self.output_scale ** (4 if self.square else 2)
+        out = dots**power
+        return (out if factor == 1.0 else out * factor).to(x.dtype)
 
     def extra_repr(self) -> str:
         levels = []
         for lv in self.sketch_tree:
-            inputs = str(lv.in_dim) if lv.kind == "leaf" else f"{lv.in_dim}⊗{lv.in_dim}"
+            inputs = str(lv.in_dim) if lv.kind != "node" else f"{lv.in_dim}⊗{lv.in_dim}"
             pad = f"(pad {lv.hadamard_dim})" if lv.hadamard_dim != lv.in_dim else ""
             levels.append(f"{lv.kind}×{lv.nodes}: {inputs}{pad}->{lv.out_dim}")
         return (
             f"{super().extra_repr()}, degree={self.degree}, projection={self.projection!r}, "
-            f"sketch_tree=[{'; '.join(levels)}]"
+            + (f"output_scale={self.output_scale:g}, " if self.output_scale != 1.0 else "")
+            + f"sketch_tree=[{'; '.join(levels)}]"
         )

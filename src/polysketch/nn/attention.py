@@ -127,6 +127,7 @@ class KernelAttention(nn.Module):
         self.q_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
         self.rotary = RotaryEmbedding(self.head_dim) if rope else None
+        self.exact_degree: int | None = None  # warm start: see polysketch.nn.warm_start
         self.feature_map = None
         if spec.feature_map is not None:
             self.feature_map = MultiHeadFeatureMap(
@@ -230,6 +231,9 @@ class KernelAttention(nn.Module):
     def _attend(self, q, k, v, keep, cache) -> torch.Tensor:
         """The attention core on (B, H, T, D) tensors in the compute dtype."""
         kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, T) against (B, H, T, .)
+        if self.exact_degree is not None and cache is None:  # warm start (nn.warm_start)
+            return polynomial_attention(q, k, v, degree=self.exact_degree, causal=self.causal,
+                denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
         if self.algorithm in ("softmax", "polynomial"):
             if cache is not None:
                 k, v, keep_all = cache.append(k, v, keep)

@@ -17,7 +17,12 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   LayerNorm on q and k, normalizer 1 + Σ.
 * ``psf_mixed`` — exact degree-4 polynomial scores inside each block of ``chunk_size`` and
   the ``psf_random`` sketch for all earlier blocks, one shared normalizer 1 + Σ
-  (``polysketch.ops.mixed_attention``, the public code's "random_sketch_mixed").
+  (``polysketch.ops.mixed_attention``, the public code's "random_sketch_mixed"), with the
+  public code's sketch scale: features × 1/√r (``output_scale``; r follows
+  ``num_features``), so the sketched earlier blocks weigh r² less than the exact local
+  block. At our unbiased scale the sketch's floor (‖q‖⁴‖k‖⁴/r per key, ``docs/quality_gap.md``)
+  summed over the earlier blocks drowned the local block: 2.040 vs 1.989 (softmax 1.995) in
+  ``benchmarks/quality.py``; pass ``output_scale=1.0`` for the old behaviour.
 * ``polynomial`` — exact degree-4 polynomial attention with LayerNorm on q and k and
   normalizer 1 + Σ (Eq. 1; quadratic in T).
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
@@ -182,6 +187,8 @@ def resolve_attention(
             )
         merged = {**s.get("map_kwargs", {}), **kwargs} if fmap else {}
         norm_default, offset_default = s["qk_norm"], s["denominator_offset"]
+        if attention == "psf_mixed" and "output_scale" not in kwargs:
+            merged["output_scale"] = float(merged["num_features"]) ** -0.5  # public code
     elif attention in available():
         algorithm, fmap, degree = "linear", attention, 4
         defaults: dict = {}

@@ -26,6 +26,7 @@ from torch import nn
 from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
+from .warm_start import set_exact_attention as _set_exact_attention
 
 __all__ = ["TransformerConfig", "TransformerLM", "GLU"]
 
@@ -257,6 +258,11 @@ class TransformerLM(nn.Module):
     def decode_state_size(self, seq_len: int) -> int:
         """Floats held per sequence by all layers' decode caches after ``seq_len`` tokens."""
         return sum(block.attn.decode_state_size(seq_len) for block in self.blocks)
+
+    def set_exact_attention(self, exact: bool) -> int:
+        """Warm start: exact polynomial attention (True) or the sketch (False) in every
+        sketched layer; returns the number of layers switched (``polysketch.nn.warm_start``)."""
+        return _set_exact_attention(self, exact)
 
     @torch.no_grad()
     def redraw_feature_maps_(self, generator: torch.Generator | None = None) -> None:

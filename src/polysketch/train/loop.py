@@ -91,6 +91,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     device: str | None = None
     compile: str | None = None
+    warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -113,6 +114,7 @@ class TrainConfig:
         check_int(self.seed, "seed", minimum=0)
         if self.compile is not None:
             check_choice(self.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
+        check_int(self.warm_start_steps, "warm_start_steps", minimum=0)
         self.betas = tuple(float(b) for b in self.betas)
         return self
 
@@ -313,6 +315,8 @@ def train(
         model.train()
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         while step < end:
+            if cfg.warm_start_steps:  # steps 1..N exact; the mode follows the step on resume
+                raw_model.set_exact_attention(step < cfg.warm_start_steps)
             t0 = time.perf_counter()
             x, y = batches.next(cfg.batch_size)
             x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
@@ -354,6 +358,8 @@ def train(
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             last = step == cfg.steps
             if last or (cfg.eval_interval and step % cfg.eval_interval == 0):
+                if cfg.warm_start_steps:
+                    raw_model.set_exact_attention(step < cfg.warm_start_steps)
                 val_loss, acc = _evaluate(raw_model, data, cfg, block_size, ctx)
                 vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
                 history["val"].append(vrow)

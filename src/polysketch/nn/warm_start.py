@@ -1,0 +1,81 @@
+"""Polynomial-to-sketch warm start (PolySketchFormer §6, "directions": train the first steps
+with quadratic-time polynomial attention, then switch to the linear-time sketch).
+
+A sketched layer (``algorithm`` ``"linear"`` with a polynomial-kernel feature map, or
+``"mixed"``) estimates an exact attention with the same weights:
+
+    O_i = Σ_{j≤i} (q_i·k_j)^p v_j / (offset + Σ_{j≤i} (q_i·k_j)^p),
+
+p the degree of the map's ``target_kernel`` (``psf_random``: the degree-2 sketch
+self-tensored, p = 4; ``psf_learned``: its target degree 4; ``psf_mixed``: its local degree
+4), on the same LayerNorm'd, rotated q and k and the same normalizer offset. In *exact* mode
+the layer computes that instead of the sketch (``KernelAttention.exact_degree``), so a model
+can be trained exactly for N steps and then continue with the sketch, every weight shared.
+
+The mode is not model state: ``polysketch.train`` sets it from the step count at every step
+(``TrainConfig.warm_start_steps``), so a run resumed after the switch is in sketch mode and
+one resumed before it in exact mode; a loaded model is always in sketch mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["target_degree", "set_exact_attention", "exact_attention_layers"]
+
+
+@torch.no_grad()
+def target_degree(layer: nn.Module) -> int:
+    """p of the exact attention a sketched ``KernelAttention`` estimates (module docstring).
+
+    ``"mixed"``: the layer's local degree. ``"linear"``: the degree of the map's
+    ``target_kernel`` read off a probe, target(2·e1, e1) = 2^p. Raises ValueError for maps
+    whose target is not a homogeneous polynomial (softmax kernels, inhomogeneous sketches)
+    and for exact layers (softmax, polynomial), which have nothing to warm-start.
+    """
+    if layer.algorithm == "mixed":
+        return int(layer.degree)
+    if layer.algorithm != "linear":
+        raise ValueError(f"attention={layer.attention!r} is exact: nothing to warm-start")
+    fmap = layer.feature_map.head_map(0)
+    e1 = torch.zeros(1, layer.head_dim)
+    e1[0, 0] = 1.0
+    ratio = float(fmap.target_kernel(2.0 * e1, e1).squeeze())  # 2^p, exact in fp32
+    p = math.log2(ratio) if ratio > 0 else float("nan")
+    if not (p >= 1 and abs(p - round(p)) < 1e-6):
+        raise ValueError(
+            f"attention={layer.attention!r}: the feature map's target is not a homogeneous "
+            f"polynomial (target(2e1, e1) = {ratio:g}); no exact polynomial warm start"
+        )
+    return int(round(p))
+
+
+def exact_attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``KernelAttention`` layers of ``model`` that a warm start switches."""
+    from .attention import KernelAttention
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, KernelAttention) and m.algorithm in ("linear", "mixed")
+    ]
+
+
+def set_exact_attention(model: nn.Module, exact: bool) -> int:
+    """Put every sketched layer of ``model`` in exact (True) or sketch (False) mode.
+
+    Returns the number of layers switched. Raises ValueError (before changing anything) if
+    ``exact`` and some layer has no polynomial target, or if the model has no sketched layer.
+    """
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+    layers = exact_attention_layers(model)
+    if not layers:
+        raise ValueError("the model has no sketched attention layer to warm-start")
+    degrees = [(m.exact_degree or target_degree(m)) if exact else None for m in layers]
+    for layer, p in zip(layers, degrees, strict=True):
+        layer.exact_degree = p
+    return len(layers)
