@@ -76,6 +76,7 @@ def add_arguments(parser) -> None:
         help="fwd: forward (inference) + decode; train: forward + backward",
     )  # fmt: skip
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="input dtype")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads H (B = 1, D = 64)")
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}"
     )
@@ -104,6 +105,7 @@ def run_from_args(args) -> int:
     kw = dict(
         mode=args.mode,
         dtype=args.dtype,
+        heads=check_positive_int(args.heads, "heads"),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         max_memory_gb=args.max_memory_gb,
         threads=args.threads,

@@ -106,8 +106,9 @@ PRESETS: dict[str, dict] = {
     "psf_mixed": {
         "description": (
             "PolySketchFormer mixed: exact local polynomial degree 4 inside blocks of "
-            "chunk_size plus the psf_random sketch (Gaussian degree-2, r = 32, square) for "
-            "earlier blocks, LayerNorm on q/k, shared normalizer 1 + Σ"
+            "chunk_size plus the psf_random sketch (Gaussian degree-2, r = 32, square) at the "
+            "public code's scale (features × 1/√r) for earlier blocks, LayerNorm on q/k, "
+            "shared normalizer 1 + Σ"
         ),
         "settings": {
             "algorithm": "mixed",

@@ -14,7 +14,7 @@ needs (q/k norms, per-head feature maps) is a submodule ``polysketch`` of each a
 module, so it is in the ``state_dict``. Decoding uses ``PolysketchCache`` (a transformers
 ``Cache``) that holds ``LinearAttentionState``s instead of keys and values.
 
-Requires the ``hf`` extra (``pip install polysketch[hf]``: transformers >= 4.56, peft; tested
+Requires the ``hf`` extra (``pip install polysketch[hf]``: transformers >= 5.0, peft; tested
 with transformers 5.23 and peft 0.21).
 """
 
