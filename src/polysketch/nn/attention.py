@@ -317,20 +317,10 @@ class KernelAttention(nn.Module):
             cache.prefill(k, phi_k, v)
             return out
         phi_q, k, phi_k, v = features(q, k, v)
-        outs = [  # decoding: one token at a time (a few tokens per call, not a hot path)
-            cache.step(
-                q[..., i : i + 1, :],
-                k[..., i : i + 1, :],
-                v[..., i : i + 1, :],
-                phi_q[..., i : i + 1, :],
-                phi_k[..., i : i + 1, :],
-                degree=self.degree,
-                offset=self.denominator_offset,
-                eps=DEFAULT_EPS,
-            )
-            for i in range(q.shape[-2])
-        ]
-        return torch.cat(outs, dim=-2)
+        return cache.steps(
+            q, k, v, phi_q, phi_k, degree=self.degree, offset=self.denominator_offset,
+            eps=DEFAULT_EPS,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

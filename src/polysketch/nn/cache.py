@@ -101,6 +101,26 @@ class MixedCache:
         self.k, self.phi_k, self.v = k[..., rest, :], phi_k[..., rest, :], v[..., rest, :]
         self.length = t
 
+    def steps(self, q, k, v, phi_q, phi_k, *, degree: int, offset: float, eps: float):
+        """``step`` for each of n new tokens in order: (B, H, n, ·) inputs -> (B, H, n, E).
+
+        Decoding feeds one or a few tokens per call, so a loop over them is not a hot path.
+        """
+        outs = [
+            self.step(
+                q[..., i : i + 1, :],
+                k[..., i : i + 1, :],
+                v[..., i : i + 1, :],
+                phi_q[..., i : i + 1, :],
+                phi_k[..., i : i + 1, :],
+                degree=degree,
+                offset=offset,
+                eps=eps,
+            )  # fmt: skip
+            for i in range(q.shape[-2])
+        ]
+        return torch.cat(outs, dim=-2)
+
     def step(
         self,
         q: torch.Tensor,

@@ -217,20 +217,10 @@ class PolysketchAttention(nn.Module):
             if state is not None:
                 state.prefill(k, phi_k, v)
             return out
-        outs = [
-            state.step(
-                q[..., i : i + 1, :],
-                k[..., i : i + 1, :],
-                v[..., i : i + 1, :],
-                phi_q[..., i : i + 1, :],
-                phi_k[..., i : i + 1, :],
-                degree=self.degree,
-                offset=self.denominator_offset,
-                eps=DEFAULT_EPS,
-            )  # fmt: skip
-            for i in range(q.shape[-2])
-        ]
-        return torch.cat(outs, dim=-2)
+        return state.steps(
+            q, k, v, phi_q, phi_k, degree=self.degree, offset=self.denominator_offset,
+            eps=DEFAULT_EPS,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
