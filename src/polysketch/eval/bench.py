@@ -316,7 +316,8 @@ def _run(config: BenchConfig) -> dict:
     if train:
         positions = ()  # decoding is inference: measured in mode "fwd"
     ours = [m for m in config.methods if m != "sdpa"]
-    steps = 1 + len(lengths) * len(config.methods) + len(positions) * (1 + len(maps))
+    decoded = {k: m for k, m in maps.items() if k in config.methods}  # maps with a decode state
+    steps = 1 + len(lengths) * len(config.methods) + len(positions) * (1 + len(decoded))
     bar = tqdm(total=steps, desc="bench", disable=not config.progress, file=sys.stderr)
 
     n = config.matmul_n
@@ -387,7 +388,7 @@ def _run(config: BenchConfig) -> dict:
             mem = (cache_bytes, "kv-cache")
             rows.add("decode", "sdpa", p, "ok", time_call(fn, **timer), mem=mem)
         bar.update()
-        for name, fmap in maps.items():
+        for name, fmap in decoded.items():
             pre_q, pre_k, pre_v = randn(bsz, h, p, d), randn(bsz, h, p, d), randn(bsz, h, p, e)
             _, state = linear_attention(
                 fmap.query(pre_q), fmap.key(pre_k), pre_v, causal=True, square=fmap.square,
