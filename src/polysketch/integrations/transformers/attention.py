@@ -250,12 +250,18 @@ def _key_padding(mask, q_len: int, k_len: int) -> torch.Tensor | None:
     causal = torch.arange(tkv, device=mask.device)[None, :] <= pos_q
     expected = causal[None] & keep_all[:, None, :]
     rows = keep_all[:, -tq:, None]  # padded query rows may be anything
-    if not bool(((allowed == expected) | ~rows).all()):
-        raise ValueError(
-            "attention_mask is not a causal mask with key padding (sliding window, packed "
-            "sequences or a custom mask): polysketch attention cannot linearize it"
-        )
+    valid = ((allowed == expected) | ~rows).all()
+    message = (
+        "attention_mask is not a causal mask with key padding (sliding window, packed "
+        "sequences or a custom mask): polysketch attention cannot linearize it"
+    )
     keep = keep_all[:, -k_len:]
+    if mask.device.type != "cpu" or torch.compiler.is_compiling():
+        # no host sync on accelerators: a device-side assertion, and the mask kept as is
+        torch._assert_async(valid, message)
+        return keep
+    if not bool(valid):
+        raise ValueError(message)
     return None if bool(keep.all()) else keep
 
 
