@@ -67,12 +67,25 @@ def test_scores_are_positive_and_bounded_even_for_large_inputs():
     assert torch.isfinite(s).all() and (s >= 0).all() and (s <= 2 + 1e-5).all()
 
 
+def test_output_scale_multiplies_features_not_rows():
+    x = torch.randn(5, D, dtype=torch.float64)
+    base = _randomize(HedgehogFeatureMap(D).double(), seed=3)
+    scaled = _randomize(HedgehogFeatureMap(D, output_scale=10.0).double(), seed=3)
+    assert torch.allclose(scaled.query(x), 10 * base.query(x), rtol=1e-14)
+    assert torch.allclose(scaled.approx_kernel(x, x), 100 * base.approx_kernel(x, x), rtol=1e-13)
+    with torch.no_grad():
+        assert float(scaled.distillation_loss(x, x)) == pytest.approx(
+            float(base.distillation_loss(x, x)), rel=1e-12
+        )
+
+
 def test_initialization():
     fm = HedgehogFeatureMap(D)
     assert torch.equal(fm.weight_q, torch.eye(D)) and torch.equal(fm.weight_k, torch.eye(D))
     assert not fm.bias_q.any() and not fm.bias_k.any()
-    narrow, wide = HedgehogFeatureMap(D, num_features=3, seed=4), HedgehogFeatureMap(
-        D, num_features=13, seed=4
+    narrow, wide = (
+        HedgehogFeatureMap(D, num_features=3, seed=4),
+        HedgehogFeatureMap(D, num_features=13, seed=4),
     )
     eye3, eye8 = torch.eye(3), torch.eye(D)
     assert torch.allclose(narrow.weight_q.T @ narrow.weight_q, eye3, atol=1e-6)
@@ -154,8 +167,10 @@ def test_bad_arguments_name_themselves():
         HedgehogFeatureMap(D, num_features=0)
     with pytest.raises(TypeError, match="shared"):
         HedgehogFeatureMap(D, shared=1)
-    with pytest.raises(ValueError, match="scale"):
+    with pytest.raises(ValueError, match="^scale"):
         HedgehogFeatureMap(D, scale=-1.0)
+    with pytest.raises(ValueError, match="^output_scale"):
+        HedgehogFeatureMap(D, output_scale=0.0)
     fm = HedgehogFeatureMap(D)
     q = torch.randn(2, 5, D)
     with pytest.raises(ValueError, match="steps"):

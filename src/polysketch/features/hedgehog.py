@@ -14,7 +14,7 @@ map's normalized row ``P_i = s_i / Σ_j s_ij``, ``s_ij = φq(q_i)·φk(k_j)`` (`
 Like LLoPS this is a learned imitation of its ``target_kernel``, not an estimator: nothing
 makes ``φq·φk`` equal (or unbiased for) ``exp(scale·q·k)``; only the normalized attention rows
 are trained to match, and the scores' absolute scale is arbitrary (each half of φ sums to 1,
-so 0 < φq·φk ≤ 2).
+so 0 < φq·φk ≤ 2; ``output_scale`` = c multiplies them by c²).
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ class HedgehogFeatureMap(FeatureMap):
         dim: D. num_features: M ≥ 1, the size of each half (default D); F = 2M.
         shared: one (W, b) for queries and keys.
         scale: temperature of the target, > 0 (default 1/√D, softmax attention's).
+        output_scale: a constant c > 0 multiplying the features (scores × c²; default 1).
+            Normalized attention rows do not depend on it; it matters only where the
+            scores are added to other unnormalized scores, as in the mixed form of
+            ``ops.mixed_attention`` (exact local polynomial blocks + this map before them),
+            where φq·φk ≤ 2 is otherwise negligible next to the local (q·k)^p.
         seed, generator: the initial draw when M ≠ D (a seeded semi-orthogonal W, see
             ``reset_parameters``); M = D starts from W = I, b = 0 (Hedgehog's init).
 
@@ -106,6 +111,7 @@ class HedgehogFeatureMap(FeatureMap):
         num_features: int | None = None,
         shared: bool = False,
         scale: float | None = None,
+        output_scale: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -120,6 +126,9 @@ class HedgehogFeatureMap(FeatureMap):
             1.0 / math.sqrt(self.dim)
             if scale is None
             else check_float(scale, "scale", minimum=0.0, strict_minimum=True)
+        )
+        self.output_scale = check_float(
+            output_scale, "output_scale", minimum=0.0, strict_minimum=True
         )
         shape = (self.dim, self.num_features)
         self.weight_q = nn.Parameter(torch.zeros(shape))
@@ -161,10 +170,10 @@ class HedgehogFeatureMap(FeatureMap):
         return self.weight_q, self.bias_q
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return _log_features(x, *self._params(False)).exp()
+        return _log_features(x, *self._params(False)).exp() * self.output_scale
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return _log_features(x, *self._params(True)).exp()
+        return _log_features(x, *self._params(True)).exp() * self.output_scale
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``exp(scale·x·y)``: (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
@@ -226,8 +235,7 @@ class HedgehogFeatureMap(FeatureMap):
             k = check_finite(check_tensor(k, "k", min_dim=2, last_dim=self.dim), "k")
             if k.shape != q.shape:
                 raise ValueError(
-                    f"k must have the shape of q {tuple(q.shape)} when causal, "
-                    f"got {tuple(k.shape)}"
+                    f"k must have the shape of q {tuple(q.shape)} when causal, got {tuple(k.shape)}"
                 )
             q = q.reshape(-1, *q.shape[-2:]).to(device)
             k = k.reshape(-1, *k.shape[-2:]).to(device)
@@ -279,4 +287,7 @@ class HedgehogFeatureMap(FeatureMap):
         return history
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, shared={self.shared}, scale={self.scale:g}"
+        return (
+            f"{super().extra_repr()}, shared={self.shared}, scale={self.scale:g}, "
+            f"output_scale={self.output_scale:g}"
+        )
