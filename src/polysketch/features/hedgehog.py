@@ -93,7 +93,9 @@ class HedgehogFeatureMap(FeatureMap):
             Normalized attention rows do not depend on it; it matters only where the
             scores are added to other unnormalized scores, as in the mixed form of
             ``ops.mixed_attention`` (exact local polynomial blocks + this map before them),
-            where φq·φk ≤ 2 is otherwise negligible next to the local (q·k)^p.
+            where φq·φk ≤ 2 is otherwise negligible next to the local (q·k)^p. Features
+            reach c and scores 2c²: fp16 features overflow for c > 65504 (the ops accumulate
+            scores in fp32; the transformers integration computes features in fp32).
         seed, generator: the initial draw when M ≠ D (a seeded semi-orthogonal W, see
             ``reset_parameters``); M = D starts from W = I, b = 0 (Hedgehog's init).
 
