@@ -187,3 +187,5 @@ def test_bad_arguments_name_themselves():
         fm.fit(torch.randn(3, D + 1), q)
     with pytest.raises(ValueError, match="q"):
         fm.fit(torch.full((3, D), float("nan")), q)
+    with pytest.raises(ValueError, match="^k must"):
+        fm.distillation_loss(q, torch.randn(5, D + 1))

@@ -186,6 +186,8 @@ class HedgehogFeatureMap(FeatureMap):
     # ----- attention distillation ----------------------------------------------------------
     def distillation_loss(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool = False):
         """Hedgehog's loss on q (..., Tq, D), k (..., Tk, D): see ``distillation_loss``."""
+        q = check_tensor(q, "q", min_dim=2, last_dim=self.dim)
+        k = check_tensor(k, "k", min_dim=2, last_dim=self.dim)
         dt = torch.promote_types(q.dtype, self.weight_q.dtype)
         q, k = q.to(dt), k.to(dt)
         return distillation_loss(
@@ -260,15 +262,12 @@ class HedgehogFeatureMap(FeatureMap):
         history: list[float] = []
         with torch.enable_grad():
             for _ in tqdm(range(steps), desc="hedgehog fit", disable=not show):
-                if causal:
-                    qb = kb = None
+                qb, kb = q, k
+                if causal:  # whole sequences, queries and keys of the same ones
                     if batch is not None and batch < q.shape[0]:
                         idx = torch.randperm(q.shape[0], generator=gen)[:batch].to(device)
                         qb, kb = q[idx], k[idx]
-                    else:
-                        qb, kb = q, k
                 else:
-                    qb, kb = q, k
                     if batch is not None and batch < q.shape[0]:
                         qb = q[torch.randperm(q.shape[0], generator=gen)[:batch].to(device)]
                     if batch is not None and batch < k.shape[0]:
