@@ -56,7 +56,7 @@ def test_registry_lists_the_designed_names():
     designed = {
         "tensor_power", "symmetric_power", "fpa", "tensorsketch", "polysketch", "llops",
         "trig", "positive", "complex_exp", "hybrid_angular", "hybrid_gaussian",
-        "hybrid_clustered", "learned_polysketch", "elu", "taylor", "elementwise_power",
+        "hybrid_clustered", "learned_polysketch", "elu", "taylor", "elementwise_power", "hedgehog",
     }  # fmt: skip
     assert set(NAMES) == designed
     for name in NAMES:

@@ -72,7 +72,7 @@ def test_softmax_conversion_keeps_logits(family):
 
 # ----- causality -------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("attention", PRESETS + ["llops", "positive", "polynomial"])
+@pytest.mark.parametrize("attention", PRESETS + ["llops", "positive", "polynomial", "hedgehog"])
 def test_converted_model_is_causal(family, attention):
     model = tiny(family)
     convert(model, attention, chunk_size=8)
@@ -95,7 +95,7 @@ def _decisive(model):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
-@pytest.mark.parametrize("attention", PRESETS + ["llops"])
+@pytest.mark.parametrize("attention", PRESETS + ["llops", "hedgehog"])
 def test_cached_decoding_equals_full_forward(family, attention):
     model = tiny(family)
     convert(model, attention, chunk_size=8)
@@ -131,6 +131,32 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     with pytest.raises(ValueError, match="mixed"):
         convert(model, "softmax", mixed=True)
+
+
+def test_mixed_form_with_hedgehog_takes_the_local_degree_and_decodes():
+    """hedgehog has no degree: degree= is the local one; the local polynomial gets q/k norms."""
+    model = tiny("llama")
+    convert(model, "hedgehog", mixed=True, degree=8, chunk_size=8)
+    core = model.model.layers[0].self_attn.polysketch
+    assert core.algorithm == "mixed" and core.degree == 8
+    assert core.q_norm is not None and core.denominator_offset == 1.0
+    assert not hasattr(core.feature_map.head_map(0), "degree")
+    x = ids(t=27)
+    full = logits(model, x)
+    y = x.clone()
+    y[:, 13:] = (y[:, 13:] + 1) % V
+    assert torch.equal(full[:, :13], logits(model, y)[:, :13])
+    cache = PolysketchCache(model)
+    with torch.no_grad():
+        parts = [model(input_ids=x[:, :10], past_key_values=cache).logits]
+        parts += [
+            model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)
+        ]
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
+    plain = tiny("llama")
+    convert(plain, "hedgehog", chunk_size=8)
+    core = plain.model.layers[0].self_attn.polysketch
+    assert core.algorithm == "linear" and core.q_norm is None and core.denominator_offset == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
@@ -259,6 +285,12 @@ def test_softmax_random_features_use_the_models_own_scaling():
         assert core.q_norm is None
         assert core.feature_map.head_map(0).scale == pytest.approx(block.attn.scaling)
     assert model.transformer.h[0].attn.scaling != model.transformer.h[1].attn.scaling
+    convert(model, "hedgehog")  # imitates exp(scaling·q·k): the target of its fit
+    for block in model.transformer.h:
+        assert block.attn.polysketch.q_norm is None
+        assert block.attn.polysketch.feature_map.head_map(0).scale == pytest.approx(
+            block.attn.scaling
+        )
 
 
 # ----- GQA -----------------------------------------------------------------------------------
@@ -335,6 +367,20 @@ def test_attention_transfer_lowers_output_mse():
     assert last < 0.7 * first
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in frozen.items())  # the rest stays frozen
+
+
+def test_attention_transfer_trains_the_hedgehog_weights():
+    model = tiny("llama")
+    convert(model, "hedgehog", chunk_size=16)
+    names = [n for n, _ in model.named_parameters() if ".polysketch." in n]
+    assert any("weight_q" in n for n in names) and any("weight_k" in n for n in names)
+    assert len(trainable_attention_parameters(model)) == len(names) == 2 * 4  # 2 layers
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if ".polysketch." in n}
+    tokens = ids(b=1, t=4000, seed=3).flatten()
+    hist = attention_transfer(model, tokens, steps=30, seq_len=32, batch_size=4, lr=1e-2)
+    assert sum(hist[-5:]) < 0.9 * sum(hist[:5])
+    after = dict(model.named_parameters())
+    assert all(not torch.equal(after[n], t) for n, t in start.items())
 
 
 def test_finetune_lora_merges_back_into_a_plain_model():

@@ -10,6 +10,7 @@ from . import (  # noqa: E402,F401  (imported for registration)
     complex_exp,
     exact,
     fpa,
+    hedgehog,
     hybrid,
     hybrid_clustered,
     learned,

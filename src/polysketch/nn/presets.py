@@ -46,6 +46,7 @@ __all__ = [
     "PRESETS",
     "POLYNOMIAL_MAPS",
     "SOFTMAX_MAPS",
+    "SOFTMAX_TARGET_MAPS",
     "AttentionSpec",
     "resolve_attention",
     "valid_attentions",
@@ -69,6 +70,11 @@ SOFTMAX_MAPS = frozenset(
     {"trig", "positive", "complex_exp", "hybrid_angular", "hybrid_gaussian", "hybrid_clustered"}
 )
 """Random features of exp(scale·q·k): ``scale=1/sqrt(D)`` by default."""
+
+SOFTMAX_TARGET_MAPS = SOFTMAX_MAPS | {"hedgehog"}
+"""Maps whose ``target_kernel`` is exp(scale·q·k) (random features and the learned Hedgehog
+map): ``scale=1/sqrt(D)`` by default, the model's ``scaling`` in the transformers integration.
+For Hedgehog the scale sets the target of ``fit`` only; its features do not depend on it."""
 
 _PSF_SKETCH = {"degree": 2, "num_features": 32, "projection": "gaussian", "nonnegative": True}
 _PSF_LEARNED = {"num_features": 32, "expansion": 8, "levels": 2, "degree": 4}
@@ -195,7 +201,7 @@ def resolve_attention(
         defaults: dict = {}
         if attention == "polysketch":
             defaults["nonnegative"] = True
-        if attention in SOFTMAX_MAPS:
+        if attention in SOFTMAX_TARGET_MAPS:
             defaults["scale"] = 1.0 / math.sqrt(head_dim)
         merged = {**defaults, **kwargs}
         polynomial = attention in POLYNOMIAL_MAPS

@@ -24,8 +24,10 @@ with the model's mask and scaling, so logits do not change).
 
 Scale: a pretrained model's q·k is not normalized; softmax uses exp(scaling·q·k). Polynomial
 kernels get the q/k LayerNorm (its gain is trained by attention transfer), softmax random
-features get ``scale=scaling`` (the model's own temperature, e.g. GPT-2's per-layer scale).
-The LayerNorm acts on the rotated q, k (as in the public PolySketchFormer code).
+features and the learned ``hedgehog`` map get ``scale=scaling`` (the model's own temperature,
+e.g. GPT-2's per-layer scale; for hedgehog it is the temperature of the target its ``fit``
+imitates, its features do not depend on it). The LayerNorm acts on the rotated q, k (as in
+the public PolySketchFormer code).
 
 Attention transfer (``transfer=True``): the layer returns the exact softmax output (so
 every later layer sees the teacher's inputs) and stores ``transfer_loss`` =
@@ -43,9 +45,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..._checks import check_int, check_positive_int
 from ..._checks import compute_dtype as _compute_dtype
+from ...features import available, get_class
 from ...nn.cache import MixedCache, RecurrentCache
-from ...nn.heads import MultiHeadFeatureMap
-from ...nn.presets import SOFTMAX_MAPS, resolve_attention
+from ...nn.heads import MultiHeadFeatureMap, _accepts
+from ...nn.presets import SOFTMAX_TARGET_MAPS, resolve_attention
 from ...ops import linear_attention, polynomial_attention
 from ...ops.mixed import mixed_attention
 from ...ops.naive import DEFAULT_EPS
@@ -63,13 +66,17 @@ class PolysketchAttention(nn.Module):
         attention: ``"softmax"``, ``"polynomial"``, a preset (``psf_random``, ``psf_learned``,
             ``psf_mixed``) or a ``polysketch.features.available()`` name.
         head_dim: D. num_heads: H (query heads). layer_index: seeds head maps.
-        scaling: the model's softmax scale (softmax random features use it as ``scale``).
+        scaling: the model's softmax scale (maps whose target is exp(scale·q·k), softmax
+            random features and ``hedgehog``, get it as ``scale``).
         chunk_size: block of the chunked algorithm and of the mixed local blocks.
         qk_norm, denominator_offset: ``None`` = the preset / map default.
         seed: base seed of the per-head maps.
         mixed: with a feature-map name, use psf_mixed's form with that map: exact
             (q·k)^degree inside blocks of ``chunk_size`` (degree = the map's ``degree``, else
             4), the map for earlier blocks (``ops.mixed_attention``), e.g. a learnable map.
+            A ``degree=`` the map does not take (``hedgehog``) is the local degree only.
+            ``qk_norm`` / ``denominator_offset`` of None become psf_mixed's (LayerNorm on q
+            and k, 1 + Σ): the exact local polynomial needs normalized q, k.
         **map_kwargs: keywords of the feature map.
     """
 
@@ -96,8 +103,19 @@ class PolysketchAttention(nn.Module):
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         kwargs = dict(map_kwargs)
-        if attention in SOFTMAX_MAPS and "scale" not in kwargs:
+        if attention in SOFTMAX_TARGET_MAPS and "scale" not in kwargs:
             kwargs["scale"] = float(scaling)
+        local_degree = None
+        if (
+            mixed
+            and "degree" in kwargs
+            and attention in available()
+            and not _accepts(get_class(attention), "degree")
+        ):
+            local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
+        if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)
+            qk_norm = True if qk_norm is None else qk_norm
+            denominator_offset = 1.0 if denominator_offset is None else denominator_offset
         spec = resolve_attention(
             attention, self.head_dim, kwargs, qk_norm=qk_norm, denominator_offset=denominator_offset
         )
@@ -110,7 +128,9 @@ class PolysketchAttention(nn.Module):
                     f"mixed=True needs a feature-map attention, got attention={attention!r}"
                 )
             self.algorithm = "mixed"
-            self.degree = check_positive_int(spec.map_kwargs.get("degree", 4), "degree")
+            if local_degree is None:
+                local_degree = spec.map_kwargs.get("degree", 4)
+            self.degree = check_positive_int(local_degree, "degree")
         self.denominator_offset = float(spec.denominator_offset)
         self.q_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
