@@ -26,3 +26,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ||a - b|| / ||b||."""
     a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def naive_lt_same_dtype(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, square: bool):
+    """Causal lt((A Bᵀ)^{∘q}) C and its row sums with every matmul and sum in the inputs' dtype
+    (no upcast): flash-attention's same-dtype baseline for half-precision accuracy tests.
+
+    a, b (..., T, F), c (..., T, E) -> (num (..., T, E), row_sums (..., T)).
+    """
+    t = a.shape[-2]
+    s = a @ b.transpose(-1, -2)
+    if square:
+        s = s * s
+    keep = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
+    s = torch.where(keep, s, s.new_zeros(()))
+    return s @ c, s.sum(-1)

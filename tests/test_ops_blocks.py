@@ -4,7 +4,7 @@ half-precision operands, saved-tensor memory, Tq = 0, torch.compile(fullgraph=Tr
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import naive_lt_same_dtype, rel_err
 from polysketch import features, kernel_attention
 from polysketch.ops import linear_attention, naive_linear_attention
 from polysketch.ops.blocks import blocks_lt_multiply, state_dim
@@ -123,12 +123,8 @@ def test_dispatch_by_device_and_forced_names():
 
 def naive_same_dtype(q, k, v, *, square):
     """Causal normalized linear attention computed entirely in the inputs' (half) dtype."""
-    s = q @ k.transpose(-1, -2)
-    if square:
-        s = s * s
-    t = q.shape[-2]
-    s = torch.where(torch.ones(t, t, dtype=torch.bool).tril(), s, s.new_zeros(()))
-    return (s @ v) / (s.sum(-1, keepdim=True) + 1)
+    num, row_sums = naive_lt_same_dtype(q, k, v, square=square)
+    return num / (row_sums.unsqueeze(-1) + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 import polysketch  # noqa: E402
-from conftest import rel_err  # noqa: E402
+from conftest import naive_lt_same_dtype, rel_err  # noqa: E402
 from polysketch.ops import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
 from polysketch.ops.triton import (  # noqa: E402
@@ -48,14 +48,7 @@ def _naive64(a, b, c, square):
 
 
 def _naive_same_dtype(a, b, c, square):
-    """Naive (num, row_sums) with every matmul and sum in the inputs' dtype (no upcast)."""
-    t = a.shape[-2]
-    s = a @ b.transpose(-1, -2)
-    if square:
-        s = s * s
-    keep = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
-    s = torch.where(keep, s, s.new_zeros(()))
-    return s @ c, s.sum(-1)
+    return naive_lt_same_dtype(a, b, c, square=square)
 
 
 def _kernel(a, b, c, square, groups=None, **kw):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import naive_lt_same_dtype
 from polysketch import features, kernel_attention
 from polysketch.nn import KernelAttention
 from polysketch.ops.dispatch import resolve_algorithm
@@ -49,10 +50,8 @@ def test_blocks_half_within_twice_the_same_dtype_naive_error(dtype):
 
 
 def _naive(phi_q, phi_k, v):
-    s = (phi_q @ phi_k.transpose(-1, -2)) ** 2
-    t = s.shape[-1]
-    s = torch.where(torch.ones(t, t, dtype=torch.bool, device=s.device).tril(), s, 0)
-    return (s @ v) / (s.sum(-1, keepdim=True) + 1)
+    num, row_sums = naive_lt_same_dtype(phi_q, phi_k, v, square=True)
+    return num / (row_sums.unsqueeze(-1) + 1)
 
 
 def test_dispatch_on_cuda_picks_an_accelerator_layout():

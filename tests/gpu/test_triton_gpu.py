@@ -9,6 +9,8 @@ Skipped without CUDA.
 import pytest
 import torch
 
+from conftest import naive_lt_same_dtype
+
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,13 +46,7 @@ def _naive(a, b, c, square):
 
 
 def _naive_same_dtype(a, b, c, square):
-    t = a.shape[-2]
-    s = a @ b.transpose(-1, -2)
-    if square:
-        s = s * s
-    keep = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
-    s = torch.where(keep, s, s.new_zeros(()))
-    return s @ c, s.sum(-1)
+    return naive_lt_same_dtype(a, b, c, square=square)
 
 
 def _kernel(a, b, c, square):
