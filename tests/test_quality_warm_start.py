@@ -5,39 +5,20 @@ import pytest
 import torch
 
 from polysketch.cli import main
-from polysketch.data.corpus import load_corpus
-from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn import TransformerLM
 from polysketch.nn.warm_start import target_degree
-from polysketch.train import TrainConfig, load_checkpoint, train
-
-TEXT = "".join(f"line {i}: the quick brown fox jumps over {i % 7} lazy dogs.\n" for i in range(80))
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "tiny.txt"
-    path.write_text(TEXT)
-    return load_corpus(path)
+from polysketch.train import load_checkpoint, train
+from test_train_loop import TEXT, corpus  # noqa: F401, F811  (the tiny corpus fixture)
+from test_train_loop import tiny_model as _tiny_model
+from test_train_loop import tiny_train as _tiny_train
 
 
 def tiny_model(**kw):
-    base = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, chunk_size=8)
-    return TransformerConfig(**{**base, **kw})
+    return _tiny_model(**{"n_layer": 2, **kw})  # two layers: the switch must reach every one
 
 
 def tiny_train(out_dir=None, **kw):
-    base = dict(
-        steps=6,
-        batch_size=4,
-        lr=1e-2,
-        min_lr=1e-3,
-        warmup_steps=2,
-        eval_interval=2,
-        eval_batches=2,
-        log_interval=1,
-    )
-    base["out_dir"] = None if out_dir is None else str(out_dir)
-    return TrainConfig(**{**base, **kw})
+    return _tiny_train(out_dir, **{"log_interval": 1, **kw})  # every step's loss logged
 
 
 def _losses(history):
@@ -84,7 +65,7 @@ def test_set_exact_attention_refuses_what_has_no_polynomial_target():
         tiny_train(warm_start_steps=-1).validate()
 
 
-def test_training_switches_at_n_and_resumes_on_either_side(tmp_path, corpus):
+def test_training_switches_at_n_and_resumes_on_either_side(tmp_path, corpus):  # noqa: F811
     """Steps 1..N are exact polynomial steps (losses equal a polynomial run's), N+1.. the
     sketch; stopping before or after the switch and resuming equals the straight run."""
     mc = tiny_model(attention="psf_random")
