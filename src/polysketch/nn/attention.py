@@ -2,7 +2,8 @@
 
 For x (B, T, E) with H heads of size D = E/H (PolySketchFormer §4):
 
-    [Q K V] = x W_qkv,   Q, K, V -> (B, H, T, D)
+    [Q K V] = x W_qkv,   Q, K -> (B, H, T, D_qk), V -> (B, H, T, D)
+    [Q K V] <- SiLU(causal depthwise conv_K([Q K V]))   (short_conv = K; ``nn.short_conv``)
     Q, K <- LayerNorm(Q), LayerNorm(K)            (qk_norm; per head, over D)
     Q, K <- RoPE(Q, t), RoPE(K, t)                 (rope; t the absolute position)
     O    = attention(Q, K, V)                      (B, H, T, D)
@@ -41,6 +42,7 @@ from .cache import KVCache, MixedCache, RecurrentCache
 from .heads import MultiHeadFeatureMap
 from .presets import resolve_attention
 from .rope import RotaryEmbedding
+from .short_conv import ShortConv
 
 __all__ = ["KernelAttention"]
 
@@ -50,6 +52,11 @@ class KernelAttention(nn.Module):
 
     Args:
         embed_dim: E, divisible by ``num_heads``. num_heads: H; head dim D = E / H.
+        qk_dim: D_qk, the per-head size of queries and keys (default D): the feature maps'
+            input dim. BASED projects q and k to 16 dims so that its degree-2 Taylor map
+            stays small (1 + 16 + 256 features) while values keep D.
+        short_conv: K ≥ 2 puts a causal depthwise convolution of K taps + SiLU on the
+            projected q, k, v (BASED / Zoology / fla; ``polysketch.nn.short_conv``); 0 = off.
         attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
             ``softmax``) or any ``polysketch.features.available()`` name (default
             ``"polysketch"``, i.e. the psf_random sketch).
@@ -87,6 +94,8 @@ class KernelAttention(nn.Module):
         seed: int = 0,
         layer_index: int = 0,
         checkpoint: bool = False,
+        qk_dim: int | None = None,
+        short_conv: int = 0,
         **map_kwargs,
     ):
         super().__init__()
@@ -95,6 +104,10 @@ class KernelAttention(nn.Module):
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.head_dim = self.embed_dim // self.num_heads
+        self.qk_dim = self.head_dim if qk_dim is None else check_positive_int(qk_dim, "qk_dim")
+        self.short_conv = check_int(short_conv, "short_conv", minimum=0)
+        if self.short_conv == 1:
+            raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
         self.causal = _check_bool(causal, "causal")
         _check_bool(rope, "rope")
         _check_bool(bias, "bias")
@@ -108,7 +121,7 @@ class KernelAttention(nn.Module):
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
         spec = resolve_attention(
             attention,
-            self.head_dim,
+            self.qk_dim,
             map_kwargs,
             qk_norm=qk_norm,
             denominator_offset=denominator_offset,
@@ -121,18 +134,20 @@ class KernelAttention(nn.Module):
         self.denominator_offset = float(spec.denominator_offset)
         self.degree = check_positive_int(spec.degree, "degree")
 
-        e = self.embed_dim
-        self.qkv = nn.Linear(e, 3 * e, bias=bias)
+        e, h = self.embed_dim, self.num_heads
+        self._split = (h * self.qk_dim, h * self.qk_dim, e)  # q, k, v columns of qkv
+        self.qkv = nn.Linear(e, sum(self._split), bias=bias)
+        self.conv = ShortConv(sum(self._split), self.short_conv) if self.short_conv else None
         self.out_proj = nn.Linear(e, e, bias=bias)
-        self.q_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
-        self.k_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim) if rope else None
+        self.q_norm = nn.LayerNorm(self.qk_dim) if spec.qk_norm else None
+        self.k_norm = nn.LayerNorm(self.qk_dim) if spec.qk_norm else None
+        self.rotary = RotaryEmbedding(self.qk_dim) if rope else None
         self.exact_degree: int | None = None  # warm start: see polysketch.nn.warm_start
         self.feature_map = None
         if spec.feature_map is not None:
             self.feature_map = MultiHeadFeatureMap(
                 spec.feature_map,
-                self.head_dim,
+                self.qk_dim,
                 self.num_heads,
                 seed=self.seed,
                 layer_index=self.layer_index,
@@ -153,18 +168,20 @@ class KernelAttention(nn.Module):
     def decode_state_size(self, seq_len: int) -> int:
         """Floats this layer's cache holds per sequence after ``seq_len`` tokens.
 
-        Linear: H·F'·(D + 1) with F' = F² (square) or F, constant; KV cache: 2·H·D·t;
-        mixed: H·F'·(D + 1) once a block is complete + H·(t mod b)·(2D + F).
+        Linear: H·F'·(D + 1) with F' = F² (square) or F, constant; KV cache: H·(D_qk + D)·t;
+        mixed: H·F'·(D + 1) once a block is complete + H·(t mod b)·(D_qk + D + F); plus, with
+        a short convolution of K taps, the last K - 1 projections (K - 1)·H·(2·D_qk + D).
         """
         t = check_int(seq_len, "seq_len", minimum=0)
-        h, d = self.num_heads, self.head_dim
+        h, d, dqk = self.num_heads, self.head_dim, self.qk_dim
+        conv = min(t, self.short_conv - 1) * sum(self._split) if self.short_conv else 0
         if self.algorithm in ("softmax", "polynomial"):
-            return 2 * h * d * t
+            return h * (dqk + d) * t + conv
         state = h * self.feature_map.state_dim * (d + 1)
         if self.algorithm == "linear":
-            return state if t else 0
-        local = h * (t % self.chunk_size) * (2 * d + self.feature_map.feature_dim)
-        return (state if t >= self.chunk_size else 0) + local
+            return (state if t else 0) + conv
+        local = h * (t % self.chunk_size) * (dqk + d + self.feature_map.feature_dim)
+        return (state if t >= self.chunk_size else 0) + local + conv
 
     @torch.no_grad()
     def redraw_feature_map_(self, generator: torch.Generator | None = None) -> None:
@@ -210,8 +227,15 @@ class KernelAttention(nn.Module):
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache())")
 
-        q, k, v = rearrange(
-            self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.num_heads
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            tail = None if cache is None or cache.length == 0 else cache.conv_tail
+            qkv, new_tail = self.conv(qkv, keep=key_padding_mask, tail=tail)
+            if cache is not None:
+                cache.conv_tail = new_tail
+        q, k, v = (
+            rearrange(part, "b t (h d) -> b h t d", h=self.num_heads)
+            for part in qkv.split(self._split, dim=-1)
         )
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -325,7 +349,8 @@ class KernelAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"attention={self.attention!r}, causal={self.causal}, "
+            f"attention={self.attention!r}, causal={self.causal}, qk_dim={self.qk_dim}, "
+            f"short_conv={self.short_conv}, "
             f"chunk_size={self.chunk_size}, denominator_offset={self.denominator_offset:g}, "
             f"layer_index={self.layer_index}"
         )

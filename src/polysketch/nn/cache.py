@@ -11,7 +11,8 @@
   H·(F'(E + 1) + b(D + F + E)) floats.
 
 Every cache counts ``length``, the tokens consumed, which is also the RoPE position of the
-next token. A cache is filled by ``KernelAttention.forward(x, cache=cache)`` (in place) and
+next token, and holds ``conv_tail``: the last K - 1 projections of a layer with a short
+convolution (``KernelAttention(short_conv=K)``, ``polysketch.nn.short_conv``), else None. A cache is filled by ``KernelAttention.forward(x, cache=cache)`` (in place) and
 made by ``KernelAttention.new_cache()``; ``TransformerLM.generate`` keeps one per layer.
 """
 
@@ -32,12 +33,14 @@ class RecurrentCache:
     def __init__(self) -> None:
         self.state: LinearAttentionState | None = None
         self.length = 0
+        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
     def num_floats(self) -> int:
         """Floats held per batch (all sequences of the batch together)."""
+        tail = _numel(self.conv_tail)
         if self.state is None:
-            return 0
-        return self.state.numerator.numel() + self.state.denominator.numel()
+            return tail
+        return self.state.numerator.numel() + self.state.denominator.numel() + tail
 
 
 class KVCache:
@@ -48,6 +51,7 @@ class KVCache:
         self.v: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
         self.length = 0
+        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
     def append(
         self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None
@@ -66,7 +70,8 @@ class KVCache:
         return self.k, self.v, self.keep
 
     def num_floats(self) -> int:
-        return 0 if self.k is None else self.k.numel() + self.v.numel()
+        kv = 0 if self.k is None else self.k.numel() + self.v.numel()
+        return kv + _numel(self.conv_tail)
 
 
 class MixedCache:
@@ -80,10 +85,11 @@ class MixedCache:
         self.phi_k: torch.Tensor | None = None  # (B, H, n, F)
         self.v: torch.Tensor | None = None  # (B, H, n, E)
         self.length = 0
+        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
     def num_floats(self) -> int:
-        tensors = (self.state, self.k, self.phi_k, self.v)
-        return sum(t.numel() for t in tensors if t is not None)
+        tensors = (self.state, self.k, self.phi_k, self.v, self.conv_tail)
+        return sum(_numel(t) for t in tensors)
 
     def _fold(self, phi_k: torch.Tensor, v: torch.Tensor) -> None:
         """Add Σ_j φk_j(⊗φk_j) ⊗ [v_j 1] of a completed stretch of blocks to the state."""
@@ -153,6 +159,10 @@ class MixedCache:
             self._fold(self.phi_k, self.v)
             self.k = self.phi_k = self.v = None
         return out
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
 
 
 LayerCache = RecurrentCache | KVCache | MixedCache

@@ -48,6 +48,8 @@ class TransformerConfig:
     dropout: float = 0.0
     seed: int = 0  # base seed of the feature maps' random buffers
     tie_embeddings: bool = True
+    qk_dim: int | None = None  # per-head query/key size (default n_embd / n_head; BASED: 16)
+    short_conv: int = 0  # kernel size of the short convolution on q, k, v (0 = off)
 
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -61,6 +63,11 @@ class TransformerConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         check_int(self.seed, "seed", minimum=0)
+        if self.qk_dim is not None:
+            check_positive_int(self.qk_dim, "qk_dim")
+        check_int(self.short_conv, "short_conv", minimum=0)
+        if self.short_conv == 1:
+            raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
         if not isinstance(self.map_kwargs, dict):
             raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
         for name in ("rope", "tie_embeddings"):
@@ -101,6 +108,8 @@ class Block(nn.Module):
             chunk_size=config.chunk_size,
             seed=config.seed,
             layer_index=layer_index,
+            qk_dim=config.qk_dim,
+            short_conv=config.short_conv,
             **config.map_kwargs,
         )
         self.ln_2 = nn.LayerNorm(config.n_embd)

@@ -41,7 +41,7 @@ def target_degree(layer: nn.Module) -> int:
     if layer.algorithm != "linear":
         raise ValueError(f"attention={layer.attention!r} is exact: nothing to warm-start")
     fmap = layer.feature_map.head_map(0)
-    e1 = torch.zeros(1, layer.head_dim)
+    e1 = torch.zeros(1, layer.qk_dim)
     e1[0, 0] = 1.0
     ratio = float(fmap.target_kernel(2.0 * e1, e1).squeeze())  # 2^p, exact in fp32
     p = math.log2(ratio) if ratio > 0 else float("nan")
