@@ -99,6 +99,50 @@ def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
         assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["val_loss"]) > 0
 
 
+def test_mqar_specs_and_learning_rate_sweep(tmp_path, capsys):
+    """NAME:key=value specs configure model and map; each spec runs at every --lrs value and
+    the table reports its best run."""
+    out = tmp_path / "specs"
+    argv = ["mqar", "--quick", "--threads", "1", "--out", str(out), "--short-conv", "3",
+            "--attentions", "softmax", "taylor:qk_dim=4", "llops:num_features=8,degree=4",
+            "--lrs", "1e-3", "3e-3"]  # fmt: skip
+    assert main(argv) == 0
+    with open(out / "mqar.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["attention"], float(r["lr"])) for r in rows] == [
+        (a, lr) for a in ("softmax", "taylor:qk_dim=4", "llops:num_features=8,degree=4")
+        for lr in (1e-3, 3e-3)
+    ]  # fmt: skip
+    state = {r["attention"]: int(r["state_size"]) for r in rows}
+    conv_tail = 2 * 2 * (3 * 16)  # (K - 1) · layers · (q, k, v columns) with qk_dim = D = 8
+    assert state["softmax"] == 2 * 2 * 2 * 8 * 16 + conv_tail
+    # taylor on 4-dim q/k: 1 + 4 + 16 features, (D + 1) columns, per head and layer
+    assert state["taylor:qk_dim=4"] == 2 * 2 * 21 * 9 + 2 * 2 * (2 * 2 * 4 + 16)
+    assert state["llops:num_features=8,degree=4"] == 2 * 2 * 8 * 9 + conv_tail
+    printed = capsys.readouterr().out
+    assert "best lr" in printed and "llops:num_features=8,degree=4" in printed
+
+
+def test_parse_attention_and_best_rows():
+    from polysketch.eval.mqar_sweep import best_rows, parse_attention
+
+    assert parse_attention("softmax") == ("softmax", {}, {})
+    assert parse_attention("polysketch:num_features=16,projection=product,qk_dim=4") == (
+        "polysketch", {"qk_dim": 4}, {"num_features": 16, "projection": "product"}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown 'nope'"):
+        parse_attention("nope:degree=2")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_attention("llops:degree")
+    rows = [
+        {"attention": "a", "accuracy": 0.5, "val_loss": 1.0, "lr": 1},
+        {"attention": "a", "accuracy": 0.7, "val_loss": 2.0, "lr": 2},
+        {"attention": "b", "accuracy": 0.1, "val_loss": 1.0, "lr": 1},
+        {"attention": "a", "accuracy": 0.7, "val_loss": 1.5, "lr": 3},
+    ]
+    assert [(r["attention"], r["lr"]) for r in best_rows(rows)] == [("a", 3), ("b", 1)]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -109,6 +153,7 @@ def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
         (["train", "--resume"], "ckpt.pt"),
         (["mqar", "--quick", "--attentions", "softmax", "bogus"], "attentions"),
         (["mqar", "--quick", "--threads", "0"], "threads"),
+        (["mqar", "--quick", "--lrs", "0"], "lrs"),
         (["generate", "--checkpoint", "/no/such/ckpt.pt"], "ckpt.pt"),
     ],
 )

@@ -8,6 +8,15 @@ while decoding at position T = ``seq_len`` (``TransformerLM.decode_state_size``)
 for feature-map attention, 2·L·H·D·T for the softmax KV cache. Recall at a given state size is
 the trade-off BASED's paper studies; softmax attention is the reference.
 
+An attention is named as ``NAME`` or ``NAME:key=value,...`` (``parse_attention``), e.g.
+``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: ``qk_dim``, ``short_conv`` and
+``chunk_size`` set the model (``TransformerConfig``), other keys the feature map. With several
+learning rates (``lrs``) every attention is trained at each and reported at its best (Zoology's
+protocol: a sweep per model, best validation accuracy); the CSV keeps every run.
+
+``LLOPS`` is the LLoPS paper's Table 4 setting (d_model 128, m = 256, p = 4; BASED's 16-dim
+q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU budget.
+
 ``run_sweep`` does the work; ``write_csv`` and ``plot_sweep`` save ``mqar.csv`` and
 ``mqar.png``; ``add_arguments`` / ``run_from_args`` back ``polysketch mqar``.
 """
@@ -15,6 +24,7 @@ the trade-off BASED's paper studies; softmax attention is the reference.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import sys
 import time
@@ -33,6 +43,12 @@ __all__ = [
     "DEFAULT_ATTENTIONS",
     "FULL",
     "QUICK",
+    "LLOPS",
+    "LLOPS_ATTENTIONS",
+    "parse_attention",
+    "best_rows",
+    "make_data",
+    "train_one",
     "run_sweep",
     "write_csv",
     "plot_sweep",
@@ -54,7 +70,7 @@ DEFAULT_ATTENTIONS = (
 FULL = {
     "vocab_size": 256, "seq_len": 64, "num_kv_pairs": 8, "num_train": 20000, "num_val": 1000,
     "n_layer": 2, "n_head": 2, "n_embd": 64, "steps": 3000, "batch_size": 64, "lr": 1e-3,
-    "warmup_steps": 100,
+    "warmup_steps": 100, "short_conv": 0,
 }  # fmt: skip
 """Default sizes: about Zoology's smallest MQAR setting (T = 64, 8 pairs, d_model 64). At this
 budget softmax solves the task (recall 0.974 on a 2-core CPU, 4 minutes); with lr 3e-3 and
@@ -63,12 +79,69 @@ budget softmax solves the task (recall 0.974 on a 2-core CPU, 4 minutes); with l
 QUICK = {
     "vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 256, "num_val": 64,
     "n_layer": 2, "n_head": 2, "n_embd": 16, "steps": 8, "batch_size": 16, "lr": 3e-3,
-    "warmup_steps": 2,
+    "warmup_steps": 2, "short_conv": 0,
 }  # fmt: skip
 """``--quick``: a smoke run (seconds for the whole sweep on a CPU); accuracies are not
 meaningful at this size."""
 
-COLUMNS = ("attention", "state_size", "params", "val_loss", "accuracy", "train_s")
+LLOPS = {**FULL, "n_embd": 128, "short_conv": 3}
+"""``--setting llops``: LLoPS Table 4's model (2 layers, d_model 128) with BASED / Zoology's
+short convolution (kernel 3) on every attention, on ``FULL``'s task (T = 64, 8 pairs, vocab
+256, 20k examples) and schedule; Zoology's own runs use vocab 8192 and longer training, which
+a 2-core CPU cannot afford (README states the budget)."""
+
+LLOPS_ATTENTIONS = (
+    "softmax",
+    "taylor:qk_dim=16",
+    "llops:num_features=256,degree=4",
+    "polysketch",
+    "psf_mixed",
+)
+"""``--setting llops``'s default attentions: LLoPS at m = 256, p = 4; BASED's map on 16-dim
+queries and keys (as Table 4's BASED)."""
+
+MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size")
+"""Keys of an attention spec that configure the model rather than the feature map."""
+
+COLUMNS = (
+    "attention", "lr", "state_size", "params", "val_loss", "accuracy", "train_s"
+)  # fmt: skip
+
+
+def parse_attention(spec: str) -> tuple[str, dict, dict]:
+    """``"NAME[:key=value,...]"`` -> (NAME, model options, map keywords).
+
+    Values are Python literals (``256``, ``1e-3``, ``True``, ``'product'``); keys in
+    ``MODEL_KEYS`` go to the model, the rest to the feature map. Raises ValueError naming
+    the spec when it does not parse or NAME is unknown.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"attention spec must be a string, got {type(spec).__name__}")
+    name, _, rest = spec.partition(":")
+    if name not in valid_attentions():
+        raise ValueError(f"attentions: unknown {name!r} in {spec!r}; choose from "
+                         f"{valid_attentions()}")  # fmt: skip
+    model, maps = {}, {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"attentions: {spec!r}: expected key=value, got {item!r}")
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            parsed = value.strip()  # a bare word, e.g. projection=product
+        (model if key.strip() in MODEL_KEYS else maps)[key.strip()] = parsed
+    return name, model, maps
+
+
+def best_rows(rows: Sequence[dict]) -> list[dict]:
+    """The best run (highest accuracy, then lowest validation loss) per attention, in order."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        b = best.get(r["attention"])
+        if b is None or (r["accuracy"], -r["val_loss"]) > (b["accuracy"], -b["val_loss"]):
+            best[r["attention"]] = r
+    return list(best.values())
 
 
 def run_sweep(
@@ -78,52 +151,36 @@ def run_sweep(
     seed: int = 0,
     device: str | None = None,
     progress: bool = False,
+    lrs: Sequence[float] | None = None,
     log=print,
 ) -> list[dict]:
-    """Train and score one model per attention; returns rows with the ``COLUMNS`` keys.
+    """Train and score one model per attention (and learning rate); returns rows with the
+    ``COLUMNS`` keys, one per run (``best_rows`` picks the best learning rate of each).
 
-    ``settings`` overrides keys of ``FULL`` (data sizes, model size, steps, batch, lr).
+    ``attentions``: specs as ``parse_attention`` reads them. ``settings`` overrides keys of
+    ``FULL`` (data sizes, model size, steps, batch, lr, short_conv). ``lrs``: learning rates
+    to sweep (None: ``settings["lr"]`` only).
     """
     s = {**FULL, **(settings or {})}
-    unknown = [a for a in attentions if a not in valid_attentions()]
-    if unknown:
-        raise ValueError(f"attentions: unknown {unknown}; choose from {valid_attentions()}")
     if not attentions:
         raise ValueError("attentions must name at least one attention")
-    task = MQARConfig(
-        vocab_size=s["vocab_size"], seq_len=s["seq_len"], num_kv_pairs=s["num_kv_pairs"]
-    )
-    data = MQARData.make(task, num_train=s["num_train"], num_val=s["num_val"], seed=seed)
+    specs = [(a, *parse_attention(a)) for a in attentions]
+    lrs = [s["lr"]] if lrs is None else list(lrs)
+    if not lrs or not all(isinstance(x, (int, float)) and x > 0 for x in lrs):
+        raise ValueError(f"lrs must be positive numbers, got {lrs}")
+    data = make_data(s, seed=seed)
     rows = []
-    for name in attentions:
-        model_config = TransformerConfig(
-            vocab_size=task.vocab_size,
-            block_size=task.seq_len,
-            n_layer=s["n_layer"],
-            n_head=s["n_head"],
-            n_embd=s["n_embd"],
-            attention=name,
-            chunk_size=min(64, task.seq_len),
-            seed=seed,
-        )
-        train_config = TrainConfig(
-            steps=s["steps"],
-            batch_size=s["batch_size"],
-            block_size=task.seq_len,
-            lr=s["lr"],
-            min_lr=s["lr"] / 10,
-            warmup_steps=s["warmup_steps"],
-            weight_decay=0.1,
-            eval_interval=None,
-            seed=seed,
-            device=device,
-        )
+    for (label, name, model_opts, map_kwargs), lr in ((a, x) for a in specs for x in lrs):
         t0 = time.perf_counter()
-        history = train(model_config, train_config, data, progress=progress)
+        history = train_one(
+            name, data, settings=s, lr=lr, model_options=model_opts, map_kwargs=map_kwargs,
+            seed=seed, device=device, progress=progress,
+        )  # fmt: skip
         model, val = history["model"], history["val"][-1]
         row = {
-            "attention": name,
-            "state_size": model.decode_state_size(task.seq_len),
+            "attention": label,
+            "lr": lr,
+            "state_size": model.decode_state_size(data.train_inputs.shape[1]),
             "params": model.num_parameters(),
             "val_loss": val["loss"],
             "accuracy": val["accuracy"],
@@ -132,10 +189,72 @@ def run_sweep(
         rows.append(row)
         if log is not None:
             log(
-                f"{name:>16s}: accuracy {row['accuracy']:.3f}  val loss {row['val_loss']:.3f}  "
+                f"{label:>16s} lr {lr:g}: accuracy {row['accuracy']:.3f}  "
+                f"val loss {row['val_loss']:.3f}  "
                 f"state {row['state_size']:,} floats  ({row['train_s']:.1f} s)"
             )
     return rows
+
+
+def make_data(settings: dict, *, seed: int = 0) -> MQARData:
+    """The MQAR train / validation sets that ``settings`` (``FULL``'s keys) describe."""
+    task = MQARConfig(
+        vocab_size=settings["vocab_size"],
+        seq_len=settings["seq_len"],
+        num_kv_pairs=settings["num_kv_pairs"],
+    )
+    return MQARData.make(
+        task, num_train=settings["num_train"], num_val=settings["num_val"], seed=seed
+    )
+
+
+def train_one(
+    attention: str,
+    data: MQARData,
+    *,
+    settings: dict,
+    lr: float,
+    model_options: dict | None = None,
+    map_kwargs: dict | None = None,
+    seed: int = 0,
+    device: str | None = None,
+    progress: bool = False,
+) -> dict:
+    """Train one ``TransformerLM`` on ``data`` as the sweep does; returns ``train``'s history
+    (``history["model"]`` the trained model, ``history["val"][-1]`` its final scores).
+
+    ``settings``: ``FULL``'s keys (model size, steps, batch, warm-up, short_conv);
+    ``model_options``: ``TransformerConfig`` fields that override them (qk_dim, ...).
+    """
+    seq_len = data.train_inputs.shape[1]
+    model_config = TransformerConfig(
+        vocab_size=data.vocab_size,
+        block_size=seq_len,
+        n_layer=settings["n_layer"],
+        n_head=settings["n_head"],
+        n_embd=settings["n_embd"],
+        attention=attention,
+        map_kwargs=dict(map_kwargs or {}),
+        **{
+            "chunk_size": min(64, seq_len),
+            "short_conv": settings["short_conv"],
+            **(model_options or {}),
+        },
+        seed=seed,
+    )
+    train_config = TrainConfig(
+        steps=settings["steps"],
+        batch_size=settings["batch_size"],
+        block_size=seq_len,
+        lr=lr,
+        min_lr=lr / 10,
+        warmup_steps=settings["warmup_steps"],
+        weight_decay=0.1,
+        eval_interval=None,
+        seed=seed,
+        device=device,
+    )
+    return train(model_config, train_config, data, progress=progress)
 
 
 def write_csv(rows: Sequence[dict], path) -> Path:
@@ -150,9 +269,10 @@ def write_csv(rows: Sequence[dict], path) -> Path:
 
 
 def plot_sweep(rows: Sequence[dict], path, *, title: str = "MQAR") -> Path:
-    """Recall accuracy vs decode state size (log₂ x axis), one labelled point per attention."""
+    """Recall accuracy vs decode state size (log₂ x axis), one labelled point per attention
+    (its best learning rate)."""
     fig, (ax,) = subplots(1, panel_size=(6.0, 4.0))
-    for r in rows:
+    for r in best_rows(rows):
         marker = "*" if r["attention"] == "softmax" else "o"
         ax.scatter([r["state_size"]], [r["accuracy"]], marker=marker, s=60)
         ax.annotate(r["attention"], (r["state_size"], r["accuracy"]), fontsize=7,
@@ -166,12 +286,12 @@ def plot_sweep(rows: Sequence[dict], path, *, title: str = "MQAR") -> Path:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """A plain-text table of the rows, sorted by state size."""
-    head = ("attention", "state floats", "params", "val loss", "acc")
-    lines = ["{:>16s} {:>13s} {:>9s} {:>9s} {:>6s}".format(*head)]
-    for r in sorted(rows, key=lambda r: r["state_size"]):
+    """A plain-text table of each attention's best run, sorted by state size."""
+    head = ("attention", "best lr", "state floats", "params", "val loss", "acc")
+    lines = ["{:>32s} {:>8s} {:>13s} {:>9s} {:>9s} {:>6s}".format(*head)]
+    for r in sorted(best_rows(rows), key=lambda r: r["state_size"]):
         lines.append(
-            f"{r['attention']:>16s} {r['state_size']:>13,d} {r['params']:>9,d} "
+            f"{r['attention']:>32s} {r['lr']:>8g} {r['state_size']:>13,d} {r['params']:>9,d} "
             f"{r['val_loss']:>9.4f} {r['accuracy']:>6.3f}"
         )
     return "\n".join(lines)
@@ -179,8 +299,20 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``polysketch mqar`` options."""
-    parser.add_argument("--attentions", nargs="+", default=list(DEFAULT_ATTENTIONS), metavar="NAME")
+    parser.add_argument(
+        "--attentions", nargs="+", default=None, metavar="NAME[:k=v,...]",
+        help="attentions, optionally with model (qk_dim, short_conv, chunk_size) or feature-map "
+        "keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--setting", choices=("default", "llops"), default="default",
+        help="llops: LLoPS Table 4's model (d_model 128, short convolutions) and attentions",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    parser.add_argument(
+        "--lrs", nargs="+", type=float, default=None, metavar="LR",
+        help="learning rates to sweep; each attention is reported at its best (default: --lr)",
+    )  # fmt: skip
     for key, value in FULL.items():
         parser.add_argument(
             "--" + key.replace("_", "-"), type=type(value), default=None,
@@ -195,15 +327,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write CSV and PNG; 2 on bad input."""
-    base = QUICK if args.quick else FULL
+    base = QUICK if args.quick else LLOPS if args.setting == "llops" else FULL
+    attentions = args.attentions
+    if attentions is None:
+        attentions = LLOPS_ATTENTIONS if args.setting == "llops" else DEFAULT_ATTENTIONS
     settings = {k: (getattr(args, k) if getattr(args, k) is not None else v)
                 for k, v in base.items()}  # fmt: skip
     try:
         if args.threads is not None:
             torch.set_num_threads(check_positive_int(args.threads, "threads"))
         rows = run_sweep(
-            args.attentions,
+            attentions,
             settings=settings,
+            lrs=args.lrs,
             seed=args.seed,
             device=args.device,
             progress=args.progress,

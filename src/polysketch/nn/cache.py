@@ -12,8 +12,9 @@
 
 Every cache counts ``length``, the tokens consumed, which is also the RoPE position of the
 next token, and holds ``conv_tail``: the last K - 1 projections of a layer with a short
-convolution (``KernelAttention(short_conv=K)``, ``polysketch.nn.short_conv``), else None. A cache is filled by ``KernelAttention.forward(x, cache=cache)`` (in place) and
-made by ``KernelAttention.new_cache()``; ``TransformerLM.generate`` keeps one per layer.
+convolution (``KernelAttention(short_conv=K)``, ``polysketch.nn.short_conv``), else None.
+A cache is filled by ``KernelAttention.forward(x, cache=cache)`` (in place) and made by
+``KernelAttention.new_cache()``; ``TransformerLM.generate`` keeps one per layer.
 """
 
 from __future__ import annotations
