@@ -154,3 +154,51 @@ def test_approx_softmax_datasets(tmp_path):
     assert {r["map"] for r in rows} == {"trig", "positive"}
     assert all(r["dataset"] == "wine" and math.isfinite(float(r["mse"])) for r in rows)
     assert (tmp_path / "datasets.png").read_bytes()[:8] == PNG
+
+
+def test_approx_fit_source_is_used_for_fitting(tmp_path, capsys):
+    """LLoPS fitted on --fit-source: q, k in a 2-dim subspace of R^6, where (q·k)² has rank 3,
+    fit on other samples of the same subspace -> small held-out error; fit on a different
+    subspace -> large error (so the fit really comes from the file)."""
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))[0]
+
+    def sample(cols, n, path):
+        b = basis[:, cols]
+        q = torch.randn(n, len(cols), generator=gen, dtype=torch.float64) @ b.T
+        k = torch.randn(n, len(cols), generator=gen, dtype=torch.float64) @ b.T
+        torch.save({"q": q, "k": k}, path)
+        return str(path)
+
+    test = sample([0, 1], 64, tmp_path / "test.pt")
+    rmae = {}
+    for name, cols in (("same", [0, 1]), ("other", [2, 3])):
+        fit = sample(cols, 256, tmp_path / f"fit_{name}.pt")
+        argv = [
+            "approx",
+            "--maps",
+            "llops",
+            "--degrees",
+            "2",
+            "--feature-dims",
+            "8",
+            "--source",
+            test,
+            "--fit-source",
+            fit,
+            "--fit-steps",
+            "400",
+            "--target",
+            "polynomial",
+            "--out",
+            str(tmp_path / name),
+            "--no-progress",
+        ]
+        assert main(argv) == 0
+        assert "same samples" not in capsys.readouterr().out
+        (row,) = _read(tmp_path / name / "results.csv")
+        rmae[name] = float(row["rel_frobenius_mean"])
+    assert rmae["same"] < 0.05 and rmae["other"] > 0.5, rmae
+    argv[argv.index("--fit-source") + 1] = str(tmp_path / "missing.pt")
+    assert main(argv) == 2
+    assert "--fit-source" in capsys.readouterr().err

@@ -116,6 +116,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "on a held-out sample before measuring; 0 measures them at init",
     )
     parser.add_argument(
+        "--fit-source",
+        default=None,
+        metavar="FILE",
+        help="q/k samples (.pt/.npz/.npy, as --source) to fit learnable maps on, e.g. "
+        "other tokens of the same model; default: a fresh draw for synthetic sources, "
+        "the measured samples themselves for files",
+    )
+    parser.add_argument(
+        "--fit-num",
+        type=int,
+        default=2048,
+        help="queries and keys drawn from --fit-source (all if it holds fewer)",
+    )
+    parser.add_argument(
         "--fit-maps",
         nargs="+",
         default=["llops"],
@@ -262,7 +276,15 @@ def _run_polynomial(args, out: Path) -> int:
         return 2
     fit_data = None
     if args.fit_steps > 0:
-        if args.source in ("gaussian", "sphere"):  # a fresh draw: fit and test are disjoint
+        if args.fit_source is not None:
+            try:
+                fit_data = load_qk(
+                    args.fit_source, dim=q.shape[-1], num=args.fit_num, seed=args.seed + 1
+                )
+            except (ValueError, TypeError) as err:
+                print(f"polysketch approx: error: --fit-source: {err}", file=sys.stderr)
+                return 2
+        elif args.source in ("gaussian", "sphere"):  # a fresh draw: fit and test are disjoint
             fit_data = load_qk(args.source, dim=dim, num=num, seed=args.seed + 1)
         else:  # files: fit in-sample (noted in the output)
             print("note: learnable maps are fitted on the same samples they are measured on")

@@ -1,0 +1,220 @@
+"""LLoPS Table 3: how well sketches approximate (q·k)^p on the queries and keys of a trained model.
+
+The LLoPS paper (§4.3, ``llops-learnable-polynomial-sketch.md``) trains transformers with exact
+polynomial attention (p = 2, 3) on associative recall, samples the queries and keys of the
+first, middle and last attention layers, and reports the relative mean absolute error (Eq. 21)
+
+    RMAE = E_{q,k} | ((q·k)^p − φq(q)·φk(k)) / (q·k)^p |
+
+of PolySketchFormer's random sketch (PSF: ``polysketch`` at degree p) and of the fitted LLoPS
+map (``llops``). This module does the same with our pieces, in three stages:
+
+1. ``train_exact``: a ``TransformerLM`` with ``attention="polynomial"`` at degree p (LayerNorm
+   on q/k, normalizer 1 + Σ) trained on MQAR (``polysketch.eval.mqar_sweep.train_one``);
+2. ``capture_files``: the (Q, K) each chosen layer's attention core receives
+   (``polysketch.eval.capture.capture_qk``), per head, written as ``.pt`` files
+   ``{"q": (N, D), "k": (N, D)}``: a ``test`` file from validation sequences and a ``fit``
+   file from training sequences (so the fitted maps are measured out of sample);
+3. ``measure``: ``polysketch approx --source TEST --fit-source FIT --target polynomial`` on each
+   file pair (the CLI a user would run), collected into one table.
+
+``run`` chains them and writes ``table3.csv`` (one row per p, map, F, layer, head),
+``table3.md`` (RMAE per layer averaged over heads, as the paper's table) and ``table3.png``.
+RMAE divides by (q·k)^p; ``approx`` floors that denominator at ``rel_floor`` · max |(q·k)^p|
+(default 1e-3) so near-orthogonal pairs do not dominate; the paper does not say how it
+handles them.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .._checks import check_positive_int
+from .capture import capture_qk
+from .mqar_sweep import LLOPS, make_data, train_one
+from .plots import save_png, subplots
+
+__all__ = ["SETTINGS", "train_exact", "capture_files", "measure", "summarize", "run"]
+
+SETTINGS = {**LLOPS, "n_layer": 3, "steps": 1500}
+"""MQAR model and task: LLoPS Table 4's model (d_model 128, 2 heads of 64, short convolution)
+with 3 layers, so that first, middle and last layer differ (the paper's model had 16+)."""
+
+
+def train_exact(degree: int, *, settings: dict, lr: float, seed: int = 0, progress=False):
+    """Train a model with exact degree-``degree`` polynomial attention; returns (model, data,
+    final validation scores)."""
+    degree = check_positive_int(degree, "degree")
+    data = make_data(settings, seed=seed)
+    history = train_one(
+        "polynomial", data, settings=settings, lr=lr, map_kwargs={"degree": degree},
+        seed=seed, progress=progress,
+    )  # fmt: skip
+    return history["model"], data, history["val"][-1]
+
+
+def _layers(n_layer: int) -> list[int]:
+    """First, middle and last layer (deduplicated for shallow models)."""
+    return sorted({0, n_layer // 2, n_layer - 1})
+
+
+def capture_files(
+    model, data, out: Path, *, degree: int, num_sequences: int = 64
+) -> list[tuple[int, int, Path, Path]]:
+    """Write per-head (Q, K) of the first, middle and last layer; returns (layer, head,
+    test file, fit file) tuples. Test tokens come from ``num_sequences`` validation sequences,
+    fit tokens from as many training sequences."""
+    num_sequences = check_positive_int(num_sequences, "num_sequences")
+    layers = _layers(len(model.blocks))
+    device = next(model.parameters()).device
+    sources = {
+        "test": data.val_inputs[:num_sequences].to(device),
+        "fit": data.train_inputs[:num_sequences].to(device),
+    }
+    captured = {name: capture_qk(model, idx, layers=layers) for name, idx in sources.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i, layer in enumerate(layers):
+        for head in range(model.config.n_head):
+            paths = []
+            for name in ("test", "fit"):
+                c = captured[name][i]
+                q = c.q[:, head].reshape(-1, c.q.shape[-1]).double()
+                k = c.k[:, head].reshape(-1, c.k.shape[-1]).double()
+                path = out / f"qk_p{degree}_layer{layer}_head{head}_{name}.pt"
+                torch.save({"q": q, "k": k}, path)
+                paths.append(path)
+            files.append((layer, head, *paths))
+    return files
+
+
+def measure(
+    test: Path,
+    fit: Path,
+    out: Path,
+    *,
+    degree: int,
+    feature_dims: Sequence[int],
+    fit_steps: int,
+    num: int,
+    trials: int,
+    seed: int = 0,
+) -> list[dict]:
+    """``polysketch approx`` on one file pair (PSF sketch and fitted LLoPS at ``degree``);
+    returns its ``results.csv`` rows."""
+    from ..cli import main
+
+    argv = [
+        "approx", "--source", str(test), "--fit-source", str(fit),
+        "--maps", "polysketch", "llops", "--degrees", str(degree),
+        "--feature-dims", *map(str, feature_dims), "--target", "polynomial",
+        "--fit-steps", str(fit_steps), "--num", str(num), "--trials", str(trials),
+        "--seed", str(seed), "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    status = main(argv)
+    if status != 0:
+        raise RuntimeError(f"polysketch {' '.join(argv)} exited with {status}")
+    with open(out / "results.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if not r.get("skipped")]
+
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+    """Mean RMAE over heads per (p, map, F, layer), plus the mean over layers (``layer`` =
+    "avg"), in the paper's layout."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        key = (int(r["p"]), r["map"], int(r["F"]), r["layer"])
+        groups.setdefault(key, []).append(float(r["rmae"]))
+    table = [{"p": p, "map": m, "F": f, "layer": layer, "rmae": sum(v) / len(v)}
+             for (p, m, f, layer), v in groups.items()]  # fmt: skip
+    for p, m, f in sorted({(t["p"], t["map"], t["F"]) for t in table}):
+        per_layer = [t["rmae"] for t in table if (t["p"], t["map"], t["F"]) == (p, m, f)]
+        table.append({"p": p, "map": m, "F": f, "layer": "avg",
+                      "rmae": sum(per_layer) / len(per_layer)})  # fmt: skip
+    return table
+
+
+def _markdown(table: Sequence[dict], layers: Sequence[int], meta: str) -> str:
+    cols = [str(x) for x in layers] + ["avg"]
+    lines = [meta, "", "| p | map | F | " + " | ".join(f"layer {c}" for c in cols[:-1])
+             + " | avg |", "|---|---|---|" + "---|" * len(cols)]  # fmt: skip
+    for p, m, f in sorted({(t["p"], t["map"], t["F"]) for t in table}):
+        vals = {
+            str(t["layer"]): t["rmae"] for t in table if (t["p"], t["map"], t["F"]) == (p, m, f)
+        }
+        name = "PSF (polysketch)" if m == "polysketch" else "LLoPS (llops, fitted)"
+        lines.append(f"| {p} | {name} | {f} | " + " | ".join(f"{vals[c]:.3f}" for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(table: Sequence[dict], path: Path) -> Path:
+    degrees = sorted({t["p"] for t in table})
+    fig, axes = subplots(len(degrees), panel_size=(4.5, 3.5))
+    for ax, p in zip(axes, degrees, strict=True):
+        for m, f in sorted({(t["map"], t["F"]) for t in table if t["p"] == p}):
+            pts = [t for t in table if (t["p"], t["map"], t["F"]) == (p, m, f)]
+            ax.plot([str(t["layer"]) for t in pts], [t["rmae"] for t in pts], marker="o",
+                    label=f"{m} F={f}")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("RMAE (Eq. 21)")
+        ax.set_title(f"(q·k)^{p} on captured q, k")
+        ax.legend(fontsize=7)
+    return save_png(fig, path)
+
+
+def run(
+    out: str | Path,
+    *,
+    degrees: Sequence[int] = (2, 3),
+    settings: dict | None = None,
+    lr: float = 1e-3,
+    feature_dims: Sequence[int] = (64, 256),
+    fit_steps: int = 1000,
+    num: int = 512,
+    trials: int = 3,
+    seed: int = 0,
+    log=print,
+) -> list[dict]:
+    """Train, capture, measure and write ``table3.{csv,md,png}`` into ``out``; returns the
+    per-(p, map, F, layer, head) rows."""
+    out = Path(out)
+    s = {**SETTINGS, **(settings or {})}
+    rows, meta = [], []
+    for p in degrees:
+        t0 = time.perf_counter()
+        model, data, val = train_exact(p, settings=s, lr=lr, seed=seed)
+        meta.append(f"p = {p}: recall {val['accuracy']:.3f} ({time.perf_counter() - t0:.0f} s)")
+        log(f"trained exact degree-{p} model: recall accuracy {val['accuracy']:.3f}")
+        for layer, head, test, fit in capture_files(model, data, out / "qk", degree=p):
+            measured = measure(test, fit, out / "approx" / test.stem, degree=p,
+                               feature_dims=feature_dims, fit_steps=fit_steps, num=num,
+                               trials=trials, seed=seed)  # fmt: skip
+            for r in measured:
+                rows.append({"p": p, "map": r["map"], "F": int(r["num_features"]),
+                             "layer": layer, "head": head, "rmae": float(r["rmae_mean"]),
+                             "rel_frobenius": float(r["rel_frobenius_mean"]),
+                             "optimal_rel": float(r["optimal_rel"])})  # fmt: skip
+    fields = list(rows[0])
+    with open(out / "table3.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = summarize(rows)
+    info = (
+        f"Models: {s['n_layer']} layers x {s['n_embd']} (head dim "
+        f"{s['n_embd'] // s['n_head']}), short conv {s['short_conv']}, MQAR T = "
+        f"{s['seq_len']}, {s['num_kv_pairs']} pairs, {s['steps']} steps, lr {lr:g}; "
+        + "; ".join(meta)
+        + f". LLoPS fitted {fit_steps} Adam steps on training-sequence "
+        f"q/k, measured on {num} validation q x {num} k per head; PSF {trials} draws."
+    )
+    (out / "table3.md").write_text(_markdown(table, _layers(s["n_layer"]), info))
+    _plot(table, out / "table3.png")
+    log(_markdown(table, _layers(s["n_layer"]), info))
+    return rows
