@@ -6,12 +6,14 @@ argument, so that a user sees *which* input is wrong and why. No bare ``assert``
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "parse_key_values",
     "check_int",
     "check_positive_int",
     "check_float",
@@ -25,6 +27,24 @@ __all__ = [
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def parse_key_values(items: Sequence[str] | None, name: str) -> dict:
+    """``["num_features=32", "projection=gaussian"]`` -> ``{"num_features": 32, ...}``.
+
+    Values are Python literals when they parse as one (numbers, True/False/None, tuples),
+    else strings. Raises ValueError naming ``name`` for an item without ``key=``.
+    """
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{name} expects key=value, got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
 
 
 def check_int(value, name: str, *, minimum: int | None = None) -> int:

@@ -13,12 +13,12 @@ it trains data-parallel (DDP); ``--batch-size`` is the global batch.
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+from .._checks import parse_key_values
 from ..data.corpus import load_corpus
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig, TransformerLM, valid_attentions
@@ -31,21 +31,8 @@ ERROR_EXIT = 2
 
 
 def parse_map_kwargs(items: list[str] | None) -> dict:
-    """``["num_features=32", "projection=gaussian"]`` -> ``{"num_features": 32, ...}``.
-
-    Values are Python literals when they parse as one (numbers, True/False/None, tuples),
-    else strings. Raises ValueError naming ``--map-kw`` for an item without ``=``.
-    """
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--map-kw expects key=value, got {item!r}")
-        try:
-            out[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key.strip()] = value
-    return out
+    """``--map-kw`` items -> feature-map keywords (``_checks.parse_key_values``)."""
+    return parse_key_values(items, "--map-kw")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -81,6 +68,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--chunk-size", type=int, default=mdef.chunk_size)
     model.add_argument("--dropout", type=float, default=mdef.dropout)
     model.add_argument("--no-rope", action="store_true", help="disable rotary embeddings")
+    model.add_argument(
+        "--qk-dim", type=int, default=None, help="per-head query/key size (default: head dim)"
+    )
+    model.add_argument(
+        "--short-conv", type=int, default=0, metavar="K",
+        help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
+    )  # fmt: skip
 
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
@@ -139,6 +133,8 @@ def _configs_from_args(args):
         map_kwargs=parse_map_kwargs(args.map_kw),
         chunk_size=args.chunk_size,
         rope=not args.no_rope,
+        qk_dim=args.qk_dim,
+        short_conv=args.short_conv,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()

@@ -24,7 +24,6 @@ q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU 
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, parse_key_values
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig, valid_attentions
 from ..train import MQARData, TrainConfig, train
@@ -122,15 +121,9 @@ def parse_attention(spec: str) -> tuple[str, dict, dict]:
         raise ValueError(f"attentions: unknown {name!r} in {spec!r}; choose from "
                          f"{valid_attentions()}")  # fmt: skip
     model, maps = {}, {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"attentions: {spec!r}: expected key=value, got {item!r}")
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            parsed = value.strip()  # a bare word, e.g. projection=product
-        (model if key.strip() in MODEL_KEYS else maps)[key.strip()] = parsed
+    items = rest.split(",") if rest else []
+    for key, value in parse_key_values(items, f"attentions {spec!r}").items():
+        (model if key in MODEL_KEYS else maps)[key] = value
     return name, model, maps
 
 
