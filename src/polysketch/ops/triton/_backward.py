@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ._config import block_e, mma, tuned
 from ._forward import precision
+from ._tiles import column, initial_state, row_tile, slice_ptrs, store_row_tile
 
 __all__ = ["backward"]
 
@@ -74,24 +75,15 @@ def _bwd_a_kernel(
     dn_base = DNUM + bh * T * E
     da_base = DA + (part * nbh + bh) * T * F
     causal = offs_t[:, None] >= offs_t[None, :]
-    if SQUARE:
-        z = tl.zeros([F, F], dtype=tl.float32)
-        s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
-        s_zero = tl.zeros([F, BE], dtype=tl.float32)
-        st_base = STATE + bh * F * F * E
-        for i in range(first, first + F // NS):  # this program's scratch starts at zero
-            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
-        tl.debug_barrier()
-    else:
-        z = tl.zeros([F], dtype=tl.float32)
-        s = tl.zeros([F, BE], dtype=tl.float32)
+    st_base = STATE + bh * F * F * E  # square: this sequence's slices
+    z, s = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
     for n in range(0, tl.cdiv(T, BT)):
         rows = n * BT + offs_t
         valid = rows < T
-        a = tl.load(a_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
-        dn = tl.load(dn_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
+        a = row_tile(a_base, rows, valid, offs_f, F)
+        b = row_tile(b_base, rows, valid, offs_f, F)
+        c = row_tile(c_base, rows, valid, offs_e, E)
+        dn = row_tile(dn_base, rows, valid, offs_e, E)
         drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe + grp == 0), other=0.0)
         dt = a.dtype
         da = tl.zeros([BT, F], dtype=tl.float32)
@@ -101,9 +93,9 @@ def _bwd_a_kernel(
         if SQUARE:
             af = a.to(tl.float32)
             for i in range(first, first + F // NS):
-                p_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
+                p_ptr = slice_ptrs(st_base, i, offs_f, offs_e, F, E)
                 p = tl.load(p_ptr)
-                b_i = tl.load(b_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
+                b_i = column(b_base, rows, valid, i, F)
                 col = 2.0 * tl.sum(af * mma(dn.to(dt), tl.trans(p.to(dt)), PRECISION), axis=1)
                 da += tl.where(offs_f[None, :] == i, col[:, None], 0.0)
                 bw = (b.to(tl.float32) * b_i[:, None]).to(dt)
@@ -117,7 +109,7 @@ def _bwd_a_kernel(
             da += mma(dn.to(dt), tl.trans(s.to(dt)), PRECISION) + drow[:, None] * z[None, :]
             s += mma(tl.trans(b), c, PRECISION)
             z += tl.sum(b.to(tl.float32), axis=0)
-        tl.store(da_base + rows[:, None] * F + offs_f[None, :], da, mask=valid[:, None])
+        store_row_tile(da_base, rows, valid, offs_f, da, F)
 
 
 @tuned()
@@ -143,25 +135,16 @@ def _bwd_bc_kernel(
     db_base = DB + (part * nbh + bh) * T * F
     dc_base = DC + (grp * nbh + bh) * T * E
     causal = offs_t[:, None] >= offs_t[None, :]
-    if SQUARE:
-        du = tl.zeros([F, F], dtype=tl.float32)
-        ds = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
-        s_zero = tl.zeros([F, BE], dtype=tl.float32)
-        st_base = STATE + bh * F * F * E
-        for i in range(first, first + F // NS):  # this program's scratch starts at zero
-            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
-        tl.debug_barrier()
-    else:
-        du = tl.zeros([F], dtype=tl.float32)
-        ds = tl.zeros([F, BE], dtype=tl.float32)
+    st_base = STATE + bh * F * F * E  # square: this sequence's slices
+    du, ds = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
     nblocks = tl.cdiv(T, BT)
     for k in range(0, nblocks):
         rows = (nblocks - 1 - k) * BT + offs_t
         valid = rows < T
-        a = tl.load(a_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
-        dn = tl.load(dn_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
+        a = row_tile(a_base, rows, valid, offs_f, F)
+        b = row_tile(b_base, rows, valid, offs_f, F)
+        c = row_tile(c_base, rows, valid, offs_e, E)
+        dn = row_tile(dn_base, rows, valid, offs_e, E)
         drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe + grp == 0), other=0.0)
         dt = a.dtype
         dnh = dn.to(dt)
@@ -174,11 +157,11 @@ def _bwd_bc_kernel(
         if SQUARE:
             bf = b.to(tl.float32)
             for i in range(first, first + F // NS):
-                q_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
+                q_ptr = slice_ptrs(st_base, i, offs_f, offs_e, F, E)
                 q = tl.load(q_ptr)
                 qh = q.to(dt)
-                a_i = tl.load(a_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
-                b_i = tl.load(b_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
+                a_i = column(a_base, rows, valid, i, F)
+                b_i = column(b_base, rows, valid, i, F)
                 dc += b_i[:, None] * mma(b, qh, PRECISION)
                 col = 2.0 * tl.sum(bf * mma(c, tl.trans(qh), PRECISION), axis=1)
                 db += tl.where(offs_f[None, :] == i, col[:, None], 0.0)
@@ -196,8 +179,8 @@ def _bwd_bc_kernel(
             db += mma(c, tl.trans(dsh), PRECISION) + du[None, :]
             ds += mma(tl.trans(a), dnh, PRECISION)
             du += tl.sum(a.to(tl.float32) * drow[:, None], axis=0)
-        tl.store(db_base + rows[:, None] * F + offs_f[None, :], db, mask=valid[:, None])
-        tl.store(dc_base + rows[:, None] * E + offs_e[None, :], dc, mask=valid[:, None])
+        store_row_tile(db_base, rows, valid, offs_f, db, F)
+        store_row_tile(dc_base, rows, valid, offs_e, dc, E)
 
 
 def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):

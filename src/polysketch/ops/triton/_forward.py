@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._config import block_e, mma, tuned
+from ._tiles import column, initial_state, row_tile, slice_ptrs, store_row_tile
 
 __all__ = ["forward"]
 
@@ -55,23 +56,14 @@ def _forward_kernel(
     num_base = NUM + (grp * nbh + bh) * T * E  # this group's partial numerator
     causal = offs_t[:, None] >= offs_t[None, :]
     first = grp * F // NS
-    if SQUARE:
-        z = tl.zeros([F, F], dtype=tl.float32)
-        s = tl.zeros([1, 1], dtype=tl.float32)  # unused: the slices live in STATE
-        s_zero = tl.zeros([F, BE], dtype=tl.float32)
-        st_base = STATE + bh * F * F * E
-        for i in range(first, first + F // NS):  # this program's scratch starts at zero
-            tl.store(st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :], s_zero)
-        tl.debug_barrier()
-    else:
-        z = tl.zeros([F], dtype=tl.float32)
-        s = tl.zeros([F, BE], dtype=tl.float32)
+    st_base = STATE + bh * F * F * E  # square: this sequence's slices
+    z, s = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
     for n in range(0, tl.cdiv(T, BT)):
         rows = n * BT + offs_t
         valid = rows < T
-        a = tl.load(a_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        b = tl.load(b_base + rows[:, None] * F + offs_f[None, :], mask=valid[:, None], other=0.0)
-        c = tl.load(c_base + rows[:, None] * E + offs_e[None, :], mask=valid[:, None], other=0.0)
+        a = row_tile(a_base, rows, valid, offs_f, F)
+        b = row_tile(b_base, rows, valid, offs_f, F)
+        c = row_tile(c_base, rows, valid, offs_e, E)
         dt = a.dtype
         acc = tl.zeros([BT, BE], dtype=tl.float32)
         rs = tl.zeros([BT], dtype=tl.float32)
@@ -85,10 +77,10 @@ def _forward_kernel(
         # across blocks: read the state of the earlier blocks, then add this block's
         if SQUARE:
             for i in range(first, first + F // NS):
-                p_ptr = st_base + i * F * E + offs_f[:, None] * E + offs_e[None, :]
+                p_ptr = slice_ptrs(st_base, i, offs_f, offs_e, F, E)
                 p = tl.load(p_ptr)
-                a_i = tl.load(a_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
-                b_i = tl.load(b_base + rows * F + i, mask=valid, other=0.0).to(tl.float32)
+                a_i = column(a_base, rows, valid, i, F)
+                b_i = column(b_base, rows, valid, i, F)
                 y = mma(a, p.to(dt), PRECISION)
                 acc += a_i[:, None] * y
                 bw = (b.to(tl.float32) * b_i[:, None]).to(dt)
@@ -104,7 +96,7 @@ def _forward_kernel(
             s += mma(tl.trans(b), c, PRECISION)
             rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             z += tl.sum(b.to(tl.float32), axis=0)
-        tl.store(num_base + rows[:, None] * E + offs_e[None, :], acc, mask=valid[:, None])
+        store_row_tile(num_base, rows, valid, offs_e, acc, E)
         tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe + grp == 0))  # one writer
 
 
