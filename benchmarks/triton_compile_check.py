@@ -1,6 +1,7 @@
 """Compile every Triton kernel of ``polysketch.ops.triton`` for sm_90 (H100) without a GPU.
 
-For each kernel (forward, the two backward passes, decode), each supported configuration
+For each kernel (forward, the two backward passes, decode) and mode (the sequential pass, the
+split layout's phase 1 and phase 3), each supported configuration
 class (square F in (16, 32, 64), plain F up to 256, E in (32, 64, 128), fp32/bf16/fp16 inputs)
 with the block sizes ``_config`` chooses (BT for the default chunk_size 64, BE, slice groups
 NS = 1 and the largest NS on a GPU with few heads), and each launch configuration of the
@@ -75,17 +76,20 @@ def _launch_configs(obj, quick: bool):
     return [(c.num_warps, c.num_stages) for c in configs]
 
 
-def _kernel_table():
-    """(label, module:attribute, modes) for every kernel; a mode adds constexprs."""
-    from polysketch.ops.triton import _backward, _forward
+SEQUENTIAL = {"sequential": dict(INIT=False, STATE_ONLY=False)}
+PHASE1 = {"phase1": dict(INIT=False, STATE_ONLY=True)}  # split layout: segment states
+PHASE3 = {"phase3": dict(INIT=True, STATE_ONLY=False)}  # split layout: pass from the prefix
 
-    table = [
-        ("forward", "_forward:_forward_kernel", getattr(_forward, "MODES", None)),
-        ("bwd_a", "_backward:_bwd_a_kernel", getattr(_backward, "A_MODES", None)),
-        ("bwd_bc", "_backward:_bwd_bc_kernel", getattr(_backward, "BC_MODES", None)),
-        ("decode", "_decode:_decode_kernel", None),
+
+def _kernel_table():
+    """(label, module:attribute, modes) for every kernel; a mode adds constexprs (the
+    sequential pass and the split layout's phases, ``polysketch.ops.triton._layout``)."""
+    return [
+        ("forward", "_forward:_forward_kernel", {**SEQUENTIAL, **PHASE1, **PHASE3}),
+        ("bwd_a", "_backward:_bwd_a_kernel", {**SEQUENTIAL, **PHASE3}),
+        ("bwd_bc", "_backward:_bwd_bc_kernel", {**SEQUENTIAL, **PHASE1, **PHASE3}),
+        ("decode", "_decode:_decode_kernel", {"": {}}),
     ]
-    return [(label, ref, modes or {"": {}}) for label, ref, modes in table]
 
 
 def _resolve(ref: str):
@@ -198,13 +202,18 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="4 warps, 2 stages, NS = 1 only")
     p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (processes)")
     p.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
+    p.add_argument("--mode", action="append", help="only these modes (repeatable)")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
 
     import torch
     import triton
 
-    todo = [j for j in jobs(args.quick) if not args.kernel or j.kernel in args.kernel]
+    todo = [
+        j
+        for j in jobs(args.quick)
+        if (not args.kernel or j.kernel in args.kernel) and (not args.mode or j.mode in args.mode)
+    ]
     lines = [
         f"# triton {triton.__version__}, torch {torch.__version__}, target cuda sm_90 (warp 32); "
         f"{len(todo)} compiles{' (--quick)' if args.quick else ''}",

@@ -258,3 +258,91 @@ def test_package_imports_and_refuses_cleanly_without_triton():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
+
+
+# The split layout (``_layout``): segment states in parallel, a prefix sum over segments, then
+# the sequential pass per segment from its prefix. Small segments (L = 32, 64) keep it fast.
+SPLIT_CASES = [  # (square, F, E, T, chunk_size, segment_length, slice groups)
+    (False, 16, 32, 150, 16, 32, None),  # T not a multiple of L or BT: masked last block
+    (False, 128, 128, 100, 16, 48, None),  # L of three blocks; four value tiles (fp32)
+    (True, 16, 32, 150, 16, 32, None),
+    (True, 32, 32, 130, 16, 64, 2),  # two slice groups per segment
+    (True, 16, 128, 97, 32, 32, None),  # four value tiles (fp32 BE = 32): partials summed
+    (False, 16, 32, 20, 16, 64, None),  # T < L: one segment, the sequential pass
+    (True, 16, 32, 20, 16, 64, None),
+]
+
+
+@pytest.mark.parametrize("square,f,e,t,chunk,seg,groups", SPLIT_CASES)
+def test_split_layout_matches_sequential_and_naive(square, f, e, t, chunk, seg, groups):
+    a, b, c = _inputs((2,), t, f, e, square=square)
+    b[:, 40:47] = 0  # padded keys (as the dispatcher's key padding mask leaves them)
+    wn, wr = torch.randn(2, t, e, device=DEVICE), torch.randn(2, t, device=DEVICE)
+    kw = {"chunk_size": chunk, "groups": groups, "segment_length": seg}
+    split = _values_and_grads(_kernel, a, b, c, square, wn, wr, torch.float32, layout="split", **kw)
+    seq = _values_and_grads(
+        _kernel, a, b, c, square, wn, wr, torch.float32, layout="sequential", **kw
+    )
+    ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
+    for name, x, y, r in zip(NAMES, split, seq, ref, strict=True):
+        assert rel_err(x.double(), r) <= 1e-4, name
+        assert rel_err(x, y) <= 1e-5, name
+        if t <= seg:  # one segment: exactly the sequential pass
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("square", [False, True])
+def test_split_layout_half_precision_within_twice_the_same_dtype_naive_error(dtype, square):
+    t, f, e = 150, 16, 32
+    a, b, c = (x.to(torch.float32) for x in _inputs((2,), t, f, e, dtype, square=square))
+    wn = torch.randn(2, t, e, device=DEVICE).to(dtype).float()
+    wr = torch.randn(2, t, device=DEVICE).to(dtype).float()
+    kw = {"layout": "split", "segment_length": 64, "chunk_size": 16}
+    got = _values_and_grads(_kernel, a, b, c, square, wn, wr, dtype, **kw)
+    half = _values_and_grads(_naive_same_dtype, a, b, c, square, wn, wr, dtype)
+    ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
+    for name, x, h, y in zip(NAMES, got, half, ref, strict=True):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x.double(), y) <= 2 * rel_err(h.double(), y), name
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_split_layout_causal_outputs_before_t_are_bit_identical(square):
+    t, cut = 130, 70  # cut inside the third segment of 32
+    a, b, c = _inputs((2,), t, 16, 32, square=square)
+    kw = {"layout": "split", "segment_length": 32, "chunk_size": 16}
+    num, rs = _kernel(a, b, c, square, **kw)
+    a2, b2, c2 = (x.clone() for x in (a, b, c))
+    for x in (a2, b2, c2):
+        x[..., cut + 1 :, :] = torch.randn_like(x[..., cut + 1 :, :]) * 50
+    num2, rs2 = _kernel(a2, b2, c2, square, **kw)
+    assert torch.equal(num[..., : cut + 1, :], num2[..., : cut + 1, :])
+    assert torch.equal(rs[..., : cut + 1], rs2[..., : cut + 1])
+
+
+def test_layout_choice_and_segment_length():
+    from polysketch.ops.triton._config import SEGMENT_BYTES, segment_length
+    from polysketch.ops.triton._layout import choose_segment
+
+    cpu = torch.device("cpu")
+    kw = dict(bh=2, t=5000, f=16, e=32, bt=64, grid=2, square=True, device=cpu)
+    assert choose_segment("auto", **kw) is None  # never split on CPU unless forced
+    assert choose_segment("sequential", **kw) is None
+    assert choose_segment("split", **kw) == 1024
+    assert choose_segment("split", **kw, requested=100) == 128  # a multiple of BT
+    assert choose_segment("split", **{**kw, "t": 1024}) is None  # one segment
+    with pytest.raises(ValueError, match="layout must be one of"):
+        choose_segment("chunked", **kw)
+    # F = E = 64 square, 12 heads, T = 32k: 12.8 MB per segment -> L = 2048 (16 segments)
+    seg = segment_length(12, 32768, 64, 64, 64, square=True)
+    assert seg == 2048 and -(-32768 // seg) * 12 * 64 * 64 * 65 * 4 <= SEGMENT_BYTES
+    assert segment_length(10**4, 4096, 64, 128, 64, square=True) >= 4096  # none fits: sequential
+
+
+def test_bad_layout_arguments():
+    a, b, c = _inputs((2,), 8, 16, 32, square=True)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        triton_lt_multiply_with_sums(a, b, c, square=True, layout="parallel")
+    with pytest.raises(ValueError, match="segment_length must be a positive int"):
+        triton_lt_multiply_with_sums(a, b, c, square=True, segment_length=0)

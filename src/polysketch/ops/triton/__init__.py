@@ -6,11 +6,13 @@
 
 q = 2 if ``square`` else 1, lt the causal lower triangle including the diagonal, by
 PolySketchFormer's block lower-triangular multiplication (Theorem 3.1) in fused kernels that
-never write the self-tensored features Φ(x) = x⊗x, scores or per-block states to HBM
-(``_forward``, ``_backward``); ``triton_decode_step`` is the fused one-token state update
-and read (``_decode``). Importable without triton: ``available()`` says whether the kernels
-can run, ``unsupported_reason`` whether they handle given inputs. On CPU they run under
-Triton's interpreter when ``TRITON_INTERPRET=1`` (slow; used by the tests).
+never write the self-tensored features Φ(x) = x⊗x or scores to HBM (``_forward``,
+``_backward``); states are carried on chip over the blocks, or with ``layout="split"``
+stored once per segment of L tokens and prefix-summed (``_layout``). ``triton_decode_step``
+is the fused one-token state update and read (``_decode``). Importable without triton:
+``available()`` says whether the kernels can run, ``unsupported_reason`` whether they handle
+given inputs. On CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` (slow;
+used by the tests).
 """
 
 from __future__ import annotations
@@ -66,26 +68,41 @@ def decode_unsupported_reason(phi_q, phi_k, v, numerator, denominator, *, square
     return None if problem is None else problem[1]
 
 
-def triton_lt_multiply_with_sums(a, b, c, *, square: bool, chunk_size: int = 64):
+def triton_lt_multiply_with_sums(
+    a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
+    segment_length: int | None = None,
+):  # fmt: skip
     """num = lt((A Bᵀ)^{∘q}) C and row_sums = lt((A Bᵀ)^{∘q}) 1, q = 2 if ``square`` else 1.
 
     Shapes: a, b (..., T, F), c (..., T, E), any leading dims, one dtype (fp32, bf16, fp16)
     and device (non-contiguous inputs are copied) -> num (..., T, E) fp32, row_sums (..., T)
     fp32. Any T >= 1 (the last block is masked). Differentiable w.r.t. a, b, c: the backward
     recomputes from the inputs (memory O(T·(F + E)) plus one F²·E fp32 scratch state per
-    batch·head when square).
+    batch·head when square, or the segment states of the split layout).
 
     Kernels: one sequential pass over blocks per (batch·head, value tile[, slice group]),
-    state carried on chip (see ``_forward``, ``_backward``). ``chunk_size`` is the block
-    length BT of Theorem 3.1, rounded to the largest power of two <= chunk_size in [16, 64]
-    (32 for fp32 inputs: register budget) and no longer than T rounded up to a power of two.
+    state carried on chip (see ``_forward``, ``_backward``); with ``layout="split"`` T is cut
+    into segments of ``segment_length`` tokens L whose states are computed in parallel, summed
+    over the earlier segments (a prefix sum), and each segment then runs that pass from its
+    prefix (``_layout``). ``"auto"`` (default) splits on CUDA only, when the sequential grid
+    BH·(E/BE)·NS is below the SM count and T >= 2·L; ``"sequential"`` never. L defaults to
+    the smallest 1024·2^k whose fp32 segment states stay within 256 MiB; a given
+    ``segment_length`` is rounded up to a multiple of BT; T <= L runs the sequential pass.
+    Neither layout has been timed on a GPU (``benchmarks/triton_layouts.py`` times both).
+
+    ``chunk_size`` is the block length BT of Theorem 3.1, rounded to the largest power of two
+    <= chunk_size in [16, 64] (32 for fp32 inputs: register budget) and no longer than T
+    rounded up to a power of two.
     Warps (4, 8) and pipeline stages (1, 2) are autotuned on the GPU; BT is not (it is the
     caller's chunk_size). Errors: TypeError/ValueError naming the argument (see
     ``unsupported_reason``).
     """
     from .function import lt_multiply_with_sums
 
-    return lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size)
+    return lt_multiply_with_sums(
+        a, b, c, square=square, chunk_size=chunk_size, layout=layout,
+        segment_length=segment_length,
+    )  # fmt: skip
 
 
 def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):

@@ -31,8 +31,17 @@ import triton
 import triton.language as tl
 
 from ._config import block_e, mma, tuned
-from ._forward import precision
-from ._tiles import column, initial_state, row_tile, slice_ptrs, store_row_tile
+from ._forward import _forward_kernel, precision
+from ._layout import run_pass
+from ._tiles import (
+    column,
+    initial_state,
+    program_segment,
+    row_tile,
+    slice_ptrs,
+    store_row_tile,
+    store_state,
+)
 
 __all__ = ["backward"]
 
@@ -56,14 +65,18 @@ def _local_terms(a, b, c, dn, drow, causal, SQUARE: tl.constexpr, PRECISION: tl.
 @tuned()
 @triton.jit
 def _bwd_a_kernel(
-    A, B, C, DNUM, DROW, DA, STATE, T,
+    A, B, C, DNUM, DROW, DA, STATE, ZST, T, L, NSEG, NSLOT,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
     SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
+    INIT: tl.constexpr, STATE_ONLY: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
+    tl.static_assert(not STATE_ONLY, "phase 1 of the dA pass is the forward kernel's")
+    bh, start, end, st_base, z_ptr = program_segment(
+        STATE, ZST, T, L, NSEG, NSLOT, F, E, SQUARE, 0, False
+    )
     pe = tl.program_id(1)
     grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
-    nbh = tl.num_programs(0).to(tl.int64)
+    nbh = (tl.num_programs(0) // NSEG).to(tl.int64)
     part = grp * tl.num_programs(1) + pe  # index of this program's dA / dB partial
     first = grp * F // NS
     offs_t = tl.arange(0, BT)
@@ -75,11 +88,11 @@ def _bwd_a_kernel(
     dn_base = DNUM + bh * T * E
     da_base = DA + (part * nbh + bh) * T * F
     causal = offs_t[:, None] >= offs_t[None, :]
-    st_base = STATE + bh * F * F * E  # square: this sequence's slices
-    z, s = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
-    for n in range(0, tl.cdiv(T, BT)):
-        rows = n * BT + offs_t
-        valid = rows < T
+    own = (offs_f * 0 + pe + grp) == 0  # tile 0 of group 0 carries the row-sum terms
+    z, s = initial_state(st_base, z_ptr, first, offs_f, offs_e, own, F, E, BE, SQUARE, NS, INIT)
+    for n in range(0, tl.cdiv(end - start, BT)):
+        rows = start + n * BT + offs_t
+        valid = rows < end
         a = row_tile(a_base, rows, valid, offs_f, F)
         b = row_tile(b_base, rows, valid, offs_f, F)
         c = row_tile(c_base, rows, valid, offs_e, E)
@@ -115,14 +128,17 @@ def _bwd_a_kernel(
 @tuned()
 @triton.jit
 def _bwd_bc_kernel(
-    A, B, C, DNUM, DROW, DB, DC, STATE, T,
+    A, B, C, DNUM, DROW, DB, DC, STATE, ZST, T, L, NSEG, NSLOT,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
     SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
+    INIT: tl.constexpr, STATE_ONLY: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
+    bh, start, end, st_base, z_ptr = program_segment(
+        STATE, ZST, T, L, NSEG, NSLOT, F, E, SQUARE, STATE_ONLY, True
+    )
     pe = tl.program_id(1)
     grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
-    nbh = tl.num_programs(0).to(tl.int64)
+    nbh = (tl.num_programs(0) // NSEG).to(tl.int64)
     part = grp * tl.num_programs(1) + pe  # index of this program's dA / dB partial
     first = grp * F // NS
     offs_t = tl.arange(0, BT)
@@ -135,57 +151,68 @@ def _bwd_bc_kernel(
     db_base = DB + (part * nbh + bh) * T * F
     dc_base = DC + (grp * nbh + bh) * T * E
     causal = offs_t[:, None] >= offs_t[None, :]
-    st_base = STATE + bh * F * F * E  # square: this sequence's slices
-    du, ds = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
-    nblocks = tl.cdiv(T, BT)
+    own = (offs_f * 0 + pe + grp) == 0  # tile 0 of group 0 carries the row-sum terms
+    du, ds = initial_state(st_base, z_ptr, first, offs_f, offs_e, own, F, E, BE, SQUARE, NS, INIT)
+    nblocks = tl.cdiv(end - start, BT)
     for k in range(0, nblocks):
-        rows = (nblocks - 1 - k) * BT + offs_t
-        valid = rows < T
+        rows = start + (nblocks - 1 - k) * BT + offs_t
+        valid = rows < end
         a = row_tile(a_base, rows, valid, offs_f, F)
-        b = row_tile(b_base, rows, valid, offs_f, F)
-        c = row_tile(c_base, rows, valid, offs_e, E)
         dn = row_tile(dn_base, rows, valid, offs_e, E)
         drow = tl.load(DROW + bh * T + rows, mask=valid & (rows * 0 + pe + grp == 0), other=0.0)
         dt = a.dtype
         dnh = dn.to(dt)
-        dc = tl.zeros([BT, BE], dtype=tl.float32)
-        db = tl.zeros([BT, F], dtype=tl.float32)
-        if grp == 0:
-            s, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
-            dc = mma(tl.trans(s.to(dt)), dnh, PRECISION)
-            db = mma(tl.trans(dg.to(dt)), a, PRECISION)
+        if not STATE_ONLY:
+            b = row_tile(b_base, rows, valid, offs_f, F)
+            c = row_tile(c_base, rows, valid, offs_e, E)
+            dc = tl.zeros([BT, BE], dtype=tl.float32)
+            db = tl.zeros([BT, F], dtype=tl.float32)
+            if grp == 0:
+                s, dg = _local_terms(a, b, c, dn, drow, causal, SQUARE, PRECISION)
+                dc = mma(tl.trans(s.to(dt)), dnh, PRECISION)
+                db = mma(tl.trans(dg.to(dt)), a, PRECISION)
         if SQUARE:
-            bf = b.to(tl.float32)
+            if not STATE_ONLY:
+                bf = b.to(tl.float32)
             for i in range(first, first + F // NS):
                 q_ptr = slice_ptrs(st_base, i, offs_f, offs_e, F, E)
                 q = tl.load(q_ptr)
-                qh = q.to(dt)
                 a_i = column(a_base, rows, valid, i, F)
-                b_i = column(b_base, rows, valid, i, F)
-                dc += b_i[:, None] * mma(b, qh, PRECISION)
-                col = 2.0 * tl.sum(bf * mma(c, tl.trans(qh), PRECISION), axis=1)
-                db += tl.where(offs_f[None, :] == i, col[:, None], 0.0)
+                if not STATE_ONLY:
+                    qh = q.to(dt)
+                    b_i = column(b_base, rows, valid, i, F)
+                    dc += b_i[:, None] * mma(b, qh, PRECISION)
+                    col = 2.0 * tl.sum(bf * mma(c, tl.trans(qh), PRECISION), axis=1)
+                    db += tl.where(offs_f[None, :] == i, col[:, None], 0.0)
                 aw = (a.to(tl.float32) * a_i[:, None]).to(dt)
                 q += mma(tl.trans(aw), dnh, PRECISION)
                 tl.store(q_ptr, q)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
             if grp == 0:
-                db += 2.0 * mma(b, du.to(dt), PRECISION)
+                if not STATE_ONLY:
+                    db += 2.0 * mma(b, du.to(dt), PRECISION)
                 ad = (a.to(tl.float32) * drow[:, None]).to(dt)
                 du += mma(tl.trans(ad), a, PRECISION)
         else:
-            dsh = ds.to(dt)
-            dc += mma(b, dsh, PRECISION)
-            db += mma(c, tl.trans(dsh), PRECISION) + du[None, :]
+            if not STATE_ONLY:
+                dsh = ds.to(dt)
+                dc += mma(b, dsh, PRECISION)
+                db += mma(c, tl.trans(dsh), PRECISION) + du[None, :]
             ds += mma(tl.trans(a), dnh, PRECISION)
             du += tl.sum(a.to(tl.float32) * drow[:, None], axis=0)
-        store_row_tile(db_base, rows, valid, offs_f, db, F)
-        store_row_tile(dc_base, rows, valid, offs_e, dc, E)
+        if not STATE_ONLY:
+            store_row_tile(db_base, rows, valid, offs_f, db, F)
+            store_row_tile(dc_base, rows, valid, offs_e, dc, E)
+    if STATE_ONLY:
+        store_state(du, ds, st_base, z_ptr, offs_f, offs_e, own, F, E, SQUARE)
 
 
-def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):
+def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int, segment: int | None = None):
     """dA, dB (BH, T, F) and dC (BH, T, E), fp32, for contiguous A, B, C (as ``forward``),
-    dnum (BH, T, E) and drow (BH, T) (cast to fp32); ``ns`` slice groups as in ``forward``."""
+    dnum (BH, T, E) and drow (BH, T) (cast to fp32); ``ns`` slice groups and ``segment``
+    (None: sequential, else the split layout's L) as in ``forward``. In the split layout the
+    dA pass recomputes the forward's prefix states (phase 1 by the forward kernel) and the
+    dB/dC pass the suffix sums of Φ(A)ᵀ dnum and Φ(A)ᵀ drow (its own phase 1)."""
     bh, t, f = a.shape
     e = c.shape[-1]
     be = block_e(f, e, square=square, element_size=a.element_size())
@@ -193,15 +220,15 @@ def backward(a, b, c, dnum, drow, *, square: bool, bt: int, ns: int):
     dnum = dnum.to(torch.float32).contiguous()
     drow = drow.to(torch.float32).contiguous()
     kw = {"dtype": torch.float32, "device": a.device}
-    shape = (bh, f, f, e) if square else (1,)
     consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype))
-    grid = (bh, ne, ns)
+    layout = dict(bh=bh, t=t, grid=(ne, ns), segment=segment, consts=consts)
     da = torch.empty(ns * ne, bh, t, f, **kw)
-    _bwd_a_kernel[grid](a, b, c, dnum, drow, da, torch.empty(shape, **kw), t, **consts)
+    fwd = (_forward_kernel, (a, b, c, da, da))  # state only: its outputs are not written
+    run_pass(_bwd_a_kernel, (a, b, c, dnum, drow, da), phase1=fwd, **layout)
     da = _reduce(da)  # partials freed before the second pass allocates its own
     db = torch.empty(ns * ne, bh, t, f, **kw)
     dc = torch.empty(ns, bh, t, e, **kw)
-    _bwd_bc_kernel[grid](a, b, c, dnum, drow, db, dc, torch.empty(shape, **kw), t, **consts)
+    run_pass(_bwd_bc_kernel, (a, b, c, dnum, drow, db, dc), **layout)
     return da, _reduce(db), _reduce(dc)
 
 

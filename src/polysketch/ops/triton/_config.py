@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._validate import interpreting
 
-__all__ = ["block_t", "block_e", "slice_groups", "tuned", "mma"]
+__all__ = ["block_t", "block_e", "slice_groups", "segment_length", "tuned", "mma"]
 
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 MAX_BLOCK = 64  # 128-row blocks: (128, 128) fp32 scores spilled registers (sm_90)
@@ -26,6 +26,8 @@ STATE_ELEMENTS = 8192  # F·BE of the fp32 state tile held in registers
 OPERAND_BYTES = 32 * 1024  # BT·F·element size of one operand tile
 MAX_SLICE_GROUPS = 8
 PARTIAL_BYTES = 256 * 2**20  # fp32 partials of the slice groups (``slice_groups``)
+SEGMENT_BYTES = 256 * 2**20  # fp32 segment states of the split layout (``segment_length``)
+MIN_SEGMENT = 1024
 FP32_BLOCK = 32
 """BT and BE cap for fp32 inputs: exact fp32 ``tl.dot`` (``input_precision="ieee"``) runs on
 FMA units with its operands in registers; at 64-wide tiles ptxas (sm_90, triton 3.9) spilled
@@ -78,18 +80,37 @@ def slice_groups(
     return ns
 
 
+def segment_length(
+    bh: int, t: int, f: int, e: int, bt: int, *, square: bool, requested: int | None = None
+) -> int:
+    """L, the segment length of the split layout (``_layout``): ``requested`` rounded up to
+    a multiple of BT, else the smallest L = 1024·2^k whose fp32 segment states,
+    ceil(T/L)·BH·F^q·(E + 1)·4 bytes (q = 2 if square), fit in ``SEGMENT_BYTES`` (L >= T,
+    one segment, when none does: the sequential pass)."""
+    if requested is not None:
+        return triton.cdiv(requested, bt) * bt
+    per_segment = bh * (f * f if square else f) * (e + 1) * 4
+    seg = max(MIN_SEGMENT, bt)
+    while seg < t and triton.cdiv(t, seg) * per_segment > SEGMENT_BYTES:
+        seg *= 2
+    return seg
+
+
 def tuned():
     """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
     nothing under the interpreter (one plain launch with 4 warps, nothing to time).
 
-    The kernels zero their own scratch state, so timed runs need no reset between them.
+    The kernels zero their own scratch state, except the split layout's phase 3 (``INIT``),
+    which starts from and updates its slots of ``STATE`` in place: the autotuner restores
+    ``STATE`` after each timed run (``restore_value``; a copy of it while tuning).
     """
 
     def wrap(kernel):
         if interpreting():
             return kernel
         configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
-        return triton.autotune(configs=configs, key=["F", "E", "BT", "BE", "SQUARE", "NS"])(kernel)
+        key = ["F", "E", "BT", "BE", "SQUARE", "NS", "INIT", "STATE_ONLY"]
+        return triton.autotune(configs=configs, key=key, restore_value=["STATE"])(kernel)
 
     return wrap
 

@@ -31,7 +31,16 @@ import triton
 import triton.language as tl
 
 from ._config import block_e, mma, tuned
-from ._tiles import column, initial_state, row_tile, slice_ptrs, store_row_tile
+from ._layout import run_pass
+from ._tiles import (
+    column,
+    initial_state,
+    program_segment,
+    row_tile,
+    slice_ptrs,
+    store_row_tile,
+    store_state,
+)
 
 __all__ = ["forward"]
 
@@ -39,14 +48,17 @@ __all__ = ["forward"]
 @tuned()
 @triton.jit
 def _forward_kernel(
-    A, B, C, NUM, RS, STATE, T,
+    A, B, C, NUM, RS, STATE, ZST, T, L, NSEG, NSLOT,
     F: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
     SQUARE: tl.constexpr, NS: tl.constexpr, PRECISION: tl.constexpr,
+    INIT: tl.constexpr, STATE_ONLY: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
+    bh, start, end, st_base, z_ptr = program_segment(
+        STATE, ZST, T, L, NSEG, NSLOT, F, E, SQUARE, STATE_ONLY, False
+    )
     pe = tl.program_id(1)
     grp = tl.program_id(2)  # square: slices grp·F/NS .. (grp+1)·F/NS - 1
-    nbh = tl.num_programs(0).to(tl.int64)
+    nbh = (tl.num_programs(0) // NSEG).to(tl.int64)
     offs_t = tl.arange(0, BT)
     offs_f = tl.arange(0, F)
     offs_e = pe * BE + tl.arange(0, BE)
@@ -56,48 +68,55 @@ def _forward_kernel(
     num_base = NUM + (grp * nbh + bh) * T * E  # this group's partial numerator
     causal = offs_t[:, None] >= offs_t[None, :]
     first = grp * F // NS
-    st_base = STATE + bh * F * F * E  # square: this sequence's slices
-    z, s = initial_state(st_base, first, offs_f, offs_e, F, E, BE, SQUARE, NS)
-    for n in range(0, tl.cdiv(T, BT)):
-        rows = n * BT + offs_t
-        valid = rows < T
-        a = row_tile(a_base, rows, valid, offs_f, F)
+    own = (offs_f * 0 + pe + grp) == 0  # tile 0 of group 0 carries the row sums
+    z, s = initial_state(st_base, z_ptr, first, offs_f, offs_e, own, F, E, BE, SQUARE, NS, INIT)
+    for n in range(0, tl.cdiv(end - start, BT)):
+        rows = start + n * BT + offs_t
+        valid = rows < end
         b = row_tile(b_base, rows, valid, offs_f, F)
         c = row_tile(c_base, rows, valid, offs_e, E)
-        dt = a.dtype
+        dt = b.dtype
         acc = tl.zeros([BT, BE], dtype=tl.float32)
         rs = tl.zeros([BT], dtype=tl.float32)
-        if grp == 0:  # within the block: exact masked scores (padded rows are zero rows)
-            g = mma(a, tl.trans(b), PRECISION)
-            if SQUARE:
-                g = g * g
-            m = tl.where(causal, g, 0.0)
-            acc = mma(m.to(dt), c, PRECISION)
-            rs = tl.sum(m, axis=1)
+        if not STATE_ONLY:
+            a = row_tile(a_base, rows, valid, offs_f, F)
+            if grp == 0:  # within the block: exact masked scores (padded rows are zero rows)
+                g = mma(a, tl.trans(b), PRECISION)
+                if SQUARE:
+                    g = g * g
+                m = tl.where(causal, g, 0.0)
+                acc = mma(m.to(dt), c, PRECISION)
+                rs = tl.sum(m, axis=1)
         # across blocks: read the state of the earlier blocks, then add this block's
         if SQUARE:
             for i in range(first, first + F // NS):
                 p_ptr = slice_ptrs(st_base, i, offs_f, offs_e, F, E)
                 p = tl.load(p_ptr)
-                a_i = column(a_base, rows, valid, i, F)
+                if not STATE_ONLY:
+                    a_i = column(a_base, rows, valid, i, F)
+                    y = mma(a, p.to(dt), PRECISION)
+                    acc += a_i[:, None] * y
                 b_i = column(b_base, rows, valid, i, F)
-                y = mma(a, p.to(dt), PRECISION)
-                acc += a_i[:, None] * y
                 bw = (b.to(tl.float32) * b_i[:, None]).to(dt)
                 p += mma(tl.trans(bw), c, PRECISION)
                 tl.store(p_ptr, p)
             tl.debug_barrier()  # slice stores visible to every thread before the next block
             if grp == 0:
-                az = mma(a, z.to(dt), PRECISION)
-                rs += tl.sum(az * a.to(tl.float32), axis=1)
+                if not STATE_ONLY:
+                    az = mma(a, z.to(dt), PRECISION)
+                    rs += tl.sum(az * a.to(tl.float32), axis=1)
                 z += mma(tl.trans(b), b, PRECISION)
         else:
-            acc += mma(a, s.to(dt), PRECISION)
+            if not STATE_ONLY:
+                acc += mma(a, s.to(dt), PRECISION)
+                rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             s += mma(tl.trans(b), c, PRECISION)
-            rs += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
             z += tl.sum(b.to(tl.float32), axis=0)
-        store_row_tile(num_base, rows, valid, offs_e, acc, E)
-        tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe + grp == 0))  # one writer
+        if not STATE_ONLY:
+            store_row_tile(num_base, rows, valid, offs_e, acc, E)
+            tl.store(RS + bh * T + rows, rs, mask=valid & (rows * 0 + pe + grp == 0))  # one writer
+    if STATE_ONLY:
+        store_state(z, s, st_base, z_ptr, offs_f, offs_e, own, F, E, SQUARE)
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -105,22 +124,22 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def forward(a, b, c, *, square: bool, bt: int, ns: int) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    a, b, c, *, square: bool, bt: int, ns: int, segment: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """num (BH, T, E) fp32 and row sums (BH, T) fp32 for contiguous A, B (BH, T, F),
     C (BH, T, E) of one dtype; ``bt`` is the block length BT (a power of two >= 16), ``ns``
-    the number of slice groups (square; 1 when plain), whose partial numerators are summed."""
+    the number of slice groups (square; 1 when plain), whose partial numerators are summed;
+    ``segment``: None for the sequential pass, else the segment length L of the split
+    layout (``_layout``)."""
     bh, t, f = a.shape
     e = c.shape[-1]
     be = block_e(f, e, square=square, element_size=a.element_size())
     num = torch.empty(ns, bh, t, e, dtype=torch.float32, device=a.device)
     rs = torch.empty(bh, t, dtype=torch.float32, device=a.device)
-    if square:
-        state = torch.empty(bh, f, f, e, dtype=torch.float32, device=a.device)
-    else:
-        state = torch.empty(1, dtype=torch.float32, device=a.device)
-    grid = (bh, triton.cdiv(e, be), ns)
-    _forward_kernel[grid](
-        a, b, c, num, rs, state, t,
-        F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype),
+    consts = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, NS=ns, PRECISION=precision(a.dtype))
+    run_pass(
+        _forward_kernel, (a, b, c, num, rs), bh=bh, t=t, grid=(triton.cdiv(e, be), ns),
+        segment=segment, consts=consts,
     )  # fmt: skip
     return (num[0] if ns == 1 else num.sum(0)), rs

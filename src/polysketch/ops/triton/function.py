@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from ._backward import backward
-from ._config import block_t, slice_groups
+from ._config import block_e, block_t, slice_groups
 from ._decode import decode
 from ._forward import forward
+from ._layout import LAYOUTS, choose_segment
 from ._validate import check_decode_inputs, check_inputs
 
 __all__ = ["lt_multiply_with_sums", "decode_step"]
@@ -21,17 +22,18 @@ class _LtMultiplyWithSums(torch.autograd.Function):
     recomputes everything from the saved inputs (no state, score or feature is stored)."""
 
     @staticmethod
-    def forward(ctx, a, b, c, square, bt, ns):
-        num, rs = forward(a, b, c, square=square, bt=bt, ns=ns)
+    def forward(ctx, a, b, c, square, bt, ns, segment):
+        num, rs = forward(a, b, c, square=square, bt=bt, ns=ns, segment=segment)
         ctx.save_for_backward(a, b, c)
-        ctx.square, ctx.bt, ctx.ns = square, bt, ns
+        ctx.square, ctx.bt, ctx.ns, ctx.segment = square, bt, ns, segment
         return num, rs
 
     @staticmethod
     def backward(ctx, dnum, drow):
         a, b, c = ctx.saved_tensors
-        da, db, dc = backward(a, b, c, dnum, drow, square=ctx.square, bt=ctx.bt, ns=ctx.ns)
-        return da.to(a.dtype), db.to(b.dtype), dc.to(c.dtype), None, None, None
+        kw = dict(square=ctx.square, bt=ctx.bt, ns=ctx.ns, segment=ctx.segment)
+        da, db, dc = backward(a, b, c, dnum, drow, **kw)
+        return da.to(a.dtype), db.to(b.dtype), dc.to(c.dtype), None, None, None, None
 
 
 def _raise(problem) -> None:
@@ -41,8 +43,9 @@ def _raise(problem) -> None:
 
 
 def lt_multiply_with_sums(
-    a, b, c, *, square: bool, chunk_size: int = 64, groups: int | None = None
-):
+    a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
+    segment_length: int | None = None, groups: int | None = None,
+):  # fmt: skip
     """See ``polysketch.ops.triton.triton_lt_multiply_with_sums``; ``groups`` overrides the
     number of slice groups NS of the square state (``_config.slice_groups``; tests)."""
     _raise(check_inputs(a, b, c, square=square))
@@ -55,8 +58,21 @@ def lt_multiply_with_sums(
         groups = slice_groups(bh, t, f, e, a.device, square=square, element_size=a.element_size())
     elif not (square and isinstance(groups, int) and groups >= 1 and f % groups == 0):
         raise ValueError(f"groups must divide F={f} (square only), got {groups!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if segment_length is not None and (
+        isinstance(segment_length, bool)
+        or not isinstance(segment_length, int)
+        or segment_length < 1
+    ):
+        raise ValueError(f"segment_length must be a positive int or None, got {segment_length!r}")
     bt = block_t(chunk_size, t, f, a.element_size())
-    num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups)
+    be = block_e(f, e, square=square, element_size=a.element_size())
+    segment = choose_segment(
+        layout, bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * -(-e // be) * groups, square=square,
+        device=a.device, requested=segment_length,
+    )  # fmt: skip
+    num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups, segment)
     return num.reshape(*lead, t, e), rs.reshape(*lead, t)
 
 
