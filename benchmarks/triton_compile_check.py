@@ -1,8 +1,9 @@
 """Compile every Triton kernel of ``polysketch.ops.triton`` for sm_90 (H100) without a GPU.
 
 For each kernel (forward, the two backward passes, decode) and mode (the sequential pass, the
-split layout's phase 1 and phase 3), each supported configuration
-class (square F in (16, 32, 64), plain F up to 256, E in (32, 64, 128), fp32/bf16/fp16 inputs)
+split layout's phase 1 and phase 3), each supported configuration class (square F in
+(16, 32, 64), plain F up to 256, E in (32, 64, 128) (the E values with the same tile width BE
+share one compile: E is then only a stride), fp32/bf16/fp16 inputs)
 with the block sizes ``_config`` chooses (BT for the default chunk_size 64, BE, slice groups
 NS = 1 and the largest NS on a GPU with few heads), and each launch configuration of the
 autotuner (num_warps, num_stages), it runs ``triton.compile(ASTSource(...),
@@ -43,6 +44,7 @@ DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 INPUT_POINTERS = {"A", "B", "C", "Q", "K", "V"}  # in the input dtype; other pointers fp32
 INT_ARGS = {"T", "L", "NSEG", "NSLOT"}  # runtime integers (i32)
 QUICK_LAUNCH = (4, 2)
+FILTERS = ("kernel", "mode", "dtype")
 MAX_NS = 8  # _config.MAX_SLICE_GROUPS
 
 
@@ -54,6 +56,7 @@ class Job:
     constexprs: tuple  # ((name, value), ...)
     num_warps: int
     num_stages: int
+    also: tuple = ()  # other E values with the same BE (the same code up to a stride)
 
 
 def _jit_fn(obj):
@@ -100,7 +103,9 @@ def _resolve(ref: str):
 
 
 def jobs(quick: bool) -> list[Job]:
-    """Every (kernel, mode, dtype, F, E, launch config) to compile, with _config's blocks."""
+    """Every (kernel, mode, dtype, F, E class, launch config) to compile, with _config's
+    blocks. E enters the code only as the row stride of C (and the state) once BE is fixed,
+    so the E values with the same BE share one compile (``Job.also``: the others)."""
     from polysketch.ops.triton._config import block_e, block_t
     from polysketch.ops.triton._validate import (
         PLAIN_FEATURE_DIMS,
@@ -114,18 +119,30 @@ def jobs(quick: bool) -> list[Job]:
         for dtype, square in itertools.product(DTYPES, (True, False)):
             es = DTYPES[dtype]
             dims = SQUARE_FEATURE_DIMS if square else PLAIN_FEATURE_DIMS
-            for f, e in itertools.product(dims, VALUE_DIMS):
-                if label == "decode":
-                    cons = [dict(F=f, E=e, BE=min(e, 64), SQUARE=square)]
-                else:
-                    bt = block_t(64, 1 << 20, f, es)
-                    be = block_e(f, e, square=square, element_size=es)
-                    prec = "ieee" if dtype == "fp32" else "tf32"
-                    base = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, PRECISION=prec)
-                    groups = [1] if (quick or not square) else [1, min(MAX_NS, f)]
-                    cons = [{**base, "NS": ns} for ns in groups]
-                for c, (mode, extra), (w, s) in itertools.product(cons, modes.items(), launches):
-                    out.append(Job(label, mode, dtype, tuple({**c, **extra}.items()), w, s))
+            for f in dims:
+                classes = {}  # BE -> the E values of that tile width
+                for e in VALUE_DIMS:
+                    be = (
+                        min(e, 64)
+                        if label == "decode"
+                        else block_e(f, e, square=square, element_size=es)
+                    )
+                    classes.setdefault(be, []).append(e)
+                for be, es_ in classes.items():
+                    e, also = es_[0], tuple(es_[1:])
+                    if label == "decode":
+                        cons = [dict(F=f, E=e, BE=be, SQUARE=square)]
+                    else:
+                        bt = block_t(64, 1 << 20, f, es)
+                        prec = "ieee" if dtype == "fp32" else "tf32"
+                        base = dict(F=f, E=e, BT=bt, BE=be, SQUARE=square, PRECISION=prec)
+                        groups = [1] if (quick or not square) else [1, min(MAX_NS, f)]
+                        cons = [{**base, "NS": ns} for ns in groups]
+                    for c, (mode, extra), (w, st) in itertools.product(
+                        cons, modes.items(), launches
+                    ):
+                        items = tuple({**c, **extra}.items())
+                        out.append(Job(label, mode, dtype, items, w, st, also))
     return out
 
 
@@ -179,7 +196,10 @@ def _config_text(job: Job) -> str:
     c = dict(job.constexprs)
     keys = [k for k in ("F", "E", "BT", "BE", "NS") if k in c]
     kind = "sq" if c["SQUARE"] else "pl"
-    return f"{kind} {job.dtype} " + " ".join(f"{k}={c[k]}" for k in keys)
+    text = " ".join(f"{k}={c[k]}" for k in keys)
+    if job.also:
+        text = text.replace(f"E={c['E']}", "E=" + ",".join(map(str, (c["E"], *job.also))), 1)
+    return f"{kind} {job.dtype} {text}"
 
 
 def format_row(row: dict) -> str:
@@ -203,6 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (processes)")
     p.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
     p.add_argument("--mode", action="append", help="only these modes (repeatable)")
+    p.add_argument("--dtype", action="append", choices=list(DTYPES), help="only these dtypes")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
 
@@ -212,11 +233,14 @@ def main(argv=None) -> int:
     todo = [
         j
         for j in jobs(args.quick)
-        if (not args.kernel or j.kernel in args.kernel) and (not args.mode or j.mode in args.mode)
+        if (not args.kernel or j.kernel in args.kernel)
+        and (not args.mode or j.mode in args.mode)
+        and (not args.dtype or j.dtype in args.dtype)
     ]
     lines = [
         f"# triton {triton.__version__}, torch {torch.__version__}, target cuda sm_90 (warp 32); "
-        f"{len(todo)} compiles{' (--quick)' if args.quick else ''}",
+        f"{len(todo)} compiles{' (--quick)' if args.quick else ''}"
+        + "".join(f"; {k} {v}" for k, v in vars(args).items() if k in FILTERS and v),
         "# shared: metadata.shared (bytes); regs, spill st/ld: ptxas -v (per thread, bytes)",
         HEADER,
     ]

@@ -114,6 +114,12 @@ def run_shape(shape, *, segment, repeats, device):
     return rows
 
 
+def _cell(key: str, value) -> str:
+    if key == "rel_err_vs_sequential":
+        return f"{value:.1e}"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--segment", type=int, help="segment length L (default: _config's choice)")
@@ -139,7 +145,7 @@ def main(argv=None) -> int:
     for shape in shapes:
         for row in run_shape(shape, segment=segment, repeats=repeats, device=device):
             all_rows.append(row)
-            cells = [f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in FIELDS]
+            cells = [_cell(k, row[k]) for k in FIELDS]
             print(" ".join(f"{x:>9}" for x in cells), flush=True)
     if args.out:
         with open(args.out, "w", newline="") as fh:

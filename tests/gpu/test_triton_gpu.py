@@ -2,7 +2,9 @@
 
 The same checks as tests/test_ops_triton.py (which runs them under the CPU interpreter at
 small shapes), here compiled by the real Triton compiler: fp32 against fp64 naive, bf16
-against twice the error of a bf16 naive, causality, decode, and the memory of a 16k call.
+against twice the error of a bf16 naive, causality, decode, and the memory of a 16k call;
+the split layout against the sequential pass (``layout="auto"`` picks split for the few
+heads of most of these calls).
 Skipped without CUDA.
 """
 
@@ -83,6 +85,37 @@ def test_bf16_within_twice_the_bf16_naive_error(square, f, e, t):
     for name, x, h, y in zip(NAMES, got, half, ref, strict=True):
         assert torch.isfinite(x).all(), name
         assert _rel_err(x, y) <= 2 * _rel_err(h, y), name
+
+
+def _layout(name, segment=1024):
+    def fn(a, b, c, square):
+        kw = dict(square=square, layout=name, segment_length=segment)
+        return triton_lt_multiply_with_sums(a, b, c, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("square", [True, False])
+def test_split_and_sequential_layouts_agree(square, dtype):
+    t, f, e = 5000, 32, 64  # segments of 1024: four full, one partial (masked last block)
+    a, b, c = (x.float() for x in _inputs((1, 2), t, f, e, square=square, dtype=dtype))
+    b[..., 3000:3100, :] = 0  # padded keys
+    wn = torch.randn(1, 2, t, e, device="cuda").to(dtype).float()
+    wr = torch.randn(1, 2, t, device="cuda").to(dtype).float()
+    split = _values_and_grads(_layout("split"), a, b, c, square, wn, wr, dtype)
+    seq = _values_and_grads(_layout("sequential"), a, b, c, square, wn, wr, dtype)
+    if dtype == torch.float32:
+        for name, x, y in zip(NAMES, split, seq, strict=True):
+            assert _rel_err(x, y) <= 1e-5, name
+        return
+    half = _values_and_grads(_naive_same_dtype, a, b, c, square, wn, wr, dtype)
+    ref = _values_and_grads(
+        _naive, a.double(), b.double(), c.double(), square, wn, wr, torch.float64
+    )
+    for name, x, y, h, r in zip(NAMES, split, seq, half, ref, strict=True):
+        assert _rel_err(x, r) <= 2 * _rel_err(h, r), name
+        assert _rel_err(y, r) <= 2 * _rel_err(h, r), name
 
 
 @pytest.mark.parametrize("square", [False, True])

@@ -18,10 +18,14 @@ Through Φ(x) = x⊗x (states symmetric in their two feature indices):
 
 Two sequential passes per (batch·head, value tile): ``_bwd_a_kernel`` in block order
 (carrying P, z: gives dA), ``_bwd_bc_kernel`` in reverse block order (carrying dS, du: gives
-dB and dC). dA and dB sum over the value columns, so each value tile writes its own fp32
-partial (E/BE of them, at most 4; summed afterwards in a fixed order: deterministic); the
-drow terms enter tile 0 only. Square states are F slices (F, BE) in an fp32 scratch buffer of
-this program, as in the forward; nothing of size T×F² is stored.
+dB and dC). In the split layout (``_layout``) each pass runs per segment from a stored
+start state: the dA pass from the forward's prefix states (recomputed by the forward kernel's
+phase 1), the dB/dC pass from the suffix sums over the later segments of Σ Φ(A)ᵀ dnum and
+Σ Φ(A)ᵀ drow (its own phase 1, ``STATE_ONLY``, in reverse slot order). dA and dB sum over the
+value columns, so each value tile writes its own fp32 partial (E/BE of them, at most 4; summed
+afterwards in a fixed order: deterministic); the drow terms enter tile 0 only. Square states are
+F slices (F, BE) in an fp32 scratch buffer of this program, as in the forward; nothing of size
+T×F² is stored.
 """
 
 from __future__ import annotations

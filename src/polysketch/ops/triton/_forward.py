@@ -6,9 +6,12 @@ PolySketchFormer Theorem 3.1 with blocks of BT rows: for block n,
     rs_n  = lt((A_n B_nᵀ)^{∘q}) 1   + Φ(A_n) z_n,      z_n = Σ_{m<n} Φ(B_m)ᵀ 1,
 
 Φ(x) = x (q = 1) or x⊗x (q = 2, (x·y)² = (x⊗x)·(y⊗y)). One program per (batch·head, tile of
-BE value columns) scans the blocks in order, carrying the state (a sequential pass, not
-chunk-parallel states plus a prefix: per-block square states are F²·E floats per block, 1 MiB
-at F = E = 64, and storing them would cost more memory traffic than the whole computation).
+BE value columns) scans the blocks in order, carrying the state (the sequential pass: per-block
+square states are F²·E floats per block, 1 MiB at F = E = 64, and storing them would cost more
+memory traffic than the whole computation). The split layout (``_layout``) stores states only
+per segment of L >= 1024 tokens: the same kernel computes them (``STATE_ONLY``: phase 1),
+and after a prefix sum over segments runs the pass over one segment from its prefix
+(``INIT``: phase 3); ``program_segment`` (``_tiles``) maps programs to segments and slots.
 
 Plain: P (F, BE) and z (F,) stay in registers. Square: Φ is never formed; the state splits
 into F slices P_a = Σ_t B_ta B_t⊗C_t (F, BE) (a = first index of x⊗x), read as
