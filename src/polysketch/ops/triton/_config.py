@@ -4,8 +4,8 @@ Register budget (H100: 64K 32-bit registers per SM, 255 per thread): the largest
 program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block
 scores (BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep
 F·BE <= 8192 and BT <= 64 so that no tile exceeds 32 KiB of registers and the operands
-staged in shared memory for ``tl.dot`` stay well under 100 KiB (BT·F·2 bytes for half A_n,
-B_n: 32 KiB at BT = 64, F = 256). Checked by compiling every kernel, mode and supported
+staged in shared memory for ``tl.dot`` are small (BT·F·2 bytes for half A_n, B_n: 32 KiB at
+BT = 64, F = 256; software pipelining multiplies the buffers, see below). Checked by compiling every kernel, mode and supported
 configuration for sm_90 without a GPU, with triton 3.6 and 3.9 (``benchmarks/
 triton_compile_check.py``; tables in ``docs/results/triton_compile_check/``): all compile;
 shared memory up to 176 KiB per program (plain half F = 256 dB/dC pass at 2 stages; the
