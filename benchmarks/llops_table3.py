@@ -2,14 +2,15 @@
 on queries/keys captured from MQAR models trained with exact polynomial attention (p = 2, 3);
 see ``polysketch.eval.llops_table3``.
 
-Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 1500]
+Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 2000]
        [--degrees 2 3] [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--threads N]
        [--quick]
 
 Each (layer, head) is measured by ``polysketch approx --source TEST --fit-source FIT`` on the
 captured files (kept in ``OUT/qk/``, so any other map can be measured on them later). Writes
-``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. The defaults take about
-15 minutes on 2 CPU cores; ``--quick`` is a seconds-long smoke run.
+``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. The defaults (README's run)
+took 95 minutes of wall time on 2 CPU cores shared with other jobs (about 40 minutes of one
+core's time); ``--quick`` is a seconds-long smoke run.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from .plots import save_png, subplots
 
 __all__ = ["SETTINGS", "train_exact", "capture_files", "measure", "summarize", "run"]
 
-SETTINGS = {**LLOPS, "n_layer": 3, "steps": 1500}
+SETTINGS = {**LLOPS, "n_layer": 3, "steps": 2000}
 """MQAR model and task: LLoPS Table 4's model (d_model 128, 2 heads of 64, short convolution)
 with 3 layers, so that first, middle and last layer differ (the paper's model had 16+)."""
 

@@ -1,19 +1,19 @@
 """Block sizes and launch configurations of the Triton kernels.
 
 Register budget (H100: 64K 32-bit registers per SM, 255 per thread): the largest tensors a
-program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block
-scores (BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep
-F·BE <= 8192 and BT <= 64 so that no tile exceeds 32 KiB of registers and the operands
-staged in shared memory for ``tl.dot`` are small (BT·F·2 bytes for half A_n, B_n: 32 KiB at
-BT = 64, F = 256; software pipelining multiplies the buffers, see below). Checked by compiling every kernel, mode and supported
-configuration for sm_90 without a GPU, with triton 3.6 and 3.9 (``benchmarks/
-triton_compile_check.py``; tables in ``docs/results/triton_compile_check/``): all compile;
-shared memory up to 176 KiB per program (plain half F = 256 dB/dC pass at 2 stages; the
-H100 allows 227 KiB); half-precision square kernels spill at most ~0.7 KB per thread;
-plain F >= 128 and fp32 configurations spill KBs (fp32 plain F = 256, dB/dC pass: ~45 KB per
-thread, the worst); the split layout's phase 3 (``INIT``) spills more than the sequential
-pass in fp32 plain configurations (up to 3x). At 8 warps (an autotune choice) half
-kernels spill at most ~0.7 KB (square: 28 bytes). Not yet run on a GPU.
+program holds are the state tile (F, BE) fp32 (plain; square: one slice S_a), the block scores
+(BT, BT) fp32, and the operand tiles A_n, B_n (BT, F), C_n (BT, BE). We keep F·BE <= 8192 and
+BT <= 64 so that no tile exceeds 32 KiB of registers and the operands staged in shared memory
+for ``tl.dot`` are small (BT·F·2 bytes for half A_n, B_n: 32 KiB at BT = 64, F = 256; software
+pipelining multiplies the buffers, see below). Checked by compiling every kernel, mode and
+supported configuration for sm_90 without a GPU, with triton 3.6 and 3.9
+(``benchmarks/triton_compile_check.py``; tables in ``docs/results/triton_compile_check/``): all
+compile; shared memory up to 176 KiB per program (plain half F = 256 dB/dC pass at 2 stages;
+the H100 allows 227 KiB); half-precision square kernels spill at most ~0.7 KB per thread; plain
+F >= 128 and fp32 configurations spill KBs (fp32 plain F = 256, dB/dC pass: ~45 KB per thread,
+the worst); the split layout's phase 3 (``INIT``) spills more than the sequential pass in fp32
+plain configurations (up to 3x). At 8 warps (an autotune choice) half kernels spill at most
+~0.7 KB (square: 28 bytes). Not yet run on a GPU.
 """
 
 from __future__ import annotations
