@@ -21,14 +21,16 @@ def test_quick_run_writes_files_and_tables(tmp_path):
     assert qk["q"].shape == (64 * 16, 8) and qk["q"].dtype == torch.float64  # 64 seqs x T
     with open(tmp_path / "table3.csv") as f:
         rows = list(csv.DictReader(f))
-    # 3 layers (first, middle, last) x 2 heads x 2 maps
+    # 3 layers (first, middle, last) x 2 heads x 3 maps
     assert {(r["layer"], r["head"], r["map"]) for r in rows} == {
         (str(layer), str(h), m) for layer in (0, 1, 2) for h in (0, 1)
-        for m in ("polysketch", "llops")
+        for m in ("polysketch", "llops", "llops_start")
     }  # fmt: skip
     assert all(float(r["rmae"]) > 0 for r in rows)
     md = (tmp_path / "table3.md").read_text()
-    assert "| 2 | PSF (polysketch) | 8 |" in md and "LLoPS (llops, fitted)" in md
+    assert "| 2 | PSF (polysketch) | 8 |" in md
+    assert "LLoPS (llops, data start + Adam on Eq. 6)" in md
+    assert "LLoPS (llops, data start only)" in md
     assert (tmp_path / "table3.png").read_bytes()[:4] == b"\x89PNG"
 
 

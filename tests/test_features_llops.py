@@ -71,7 +71,7 @@ def test_fit_lowers_rmae(square):
     q, k = _positive_lowrank(128, 12, seed=1), _positive_lowrank(128, 12, seed=2)
     fmap = LLoPS(12, degree=2, num_features=12, square=square, seed=0).double()
     before = _rmae(fmap, q, k)
-    history = fmap.fit(q, k, steps=60, lr=2e-2, batch=64, seed=0, progress=False)
+    history = fmap.fit(q, k, steps=60, lr=2e-2, batch=64, init="current", seed=0, progress=False)
     after = _rmae(fmap, q, k)
     assert len(history) == 60
     assert after * 5 <= before, (before, after)
@@ -270,7 +270,12 @@ def test_bad_inputs_name_the_argument():
         fmap.fit(torch.randn(8, 3), good, steps=1)
     with pytest.raises(ValueError, match="k"):
         fmap.fit(good, torch.randn(8, 5), steps=1)
-    for kwargs, name in [({"steps": 0}, "steps"), ({"lr": 0.0}, "lr"), ({"batch": 0}, "batch")]:
+    for kwargs, name in [
+        ({"steps": -1}, "steps"),
+        ({"lr": 0.0}, "lr"),
+        ({"batch": 0}, "batch"),
+        ({"init": "svd"}, "init"),
+    ]:
         with pytest.raises(ValueError, match=name):
             fmap.fit(good, good, **kwargs)
     with pytest.raises(ValueError, match="theta_q"):

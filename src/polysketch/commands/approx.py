@@ -116,6 +116,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "on a held-out sample before measuring; 0 measures them at init",
     )
     parser.add_argument(
+        "--fit-init",
+        choices=("data", "current"),
+        default=None,
+        help="start of the fit: LLoPS's closed-form data-driven start (its default) or the "
+        "constructed draw; with --fit-steps 0, 'data' measures the closed-form start alone",
+    )
+    parser.add_argument(
+        "--fit-lr",
+        type=float,
+        default=None,
+        help="learning rate of the fit (default: the map's own, 1e-2 for LLoPS)",
+    )
+    parser.add_argument(
         "--fit-source",
         default=None,
         metavar="FILE",
@@ -275,7 +288,7 @@ def _run_polynomial(args, out: Path) -> int:
         print(f"polysketch approx: error: {err}", file=sys.stderr)
         return 2
     fit_data = None
-    if args.fit_steps > 0:
+    if args.fit_steps > 0 or args.fit_init is not None:
         if args.fit_source is not None:
             try:
                 fit_data = load_qk(
@@ -315,6 +328,8 @@ def _run_polynomial(args, out: Path) -> int:
         max_feature_dim=args.max_feature_dim,
         rel_floor=args.rel_floor,
         fit_steps=args.fit_steps,
+        fit_init=args.fit_init,
+        fit_lr=args.fit_lr,
         fit_data=fit_data,
         target=args.target,
         fit_maps=args.fit_maps,

@@ -161,10 +161,20 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(t.mean()), std
 
 
-def _fit(feature_map, q_fit, k_fit, steps: int, seed: int) -> None:
-    """Calibrate a learnable map (one with a ``fit`` method, e.g. LLoPS) on sampled q, k."""
+def _fit(
+    feature_map, q_fit, k_fit, steps: int, seed: int, init: str | None, lr: float | None
+) -> None:
+    """Calibrate a learnable map (one with a ``fit`` method, e.g. LLoPS) on sampled q, k:
+    ``steps`` optimiser steps from start ``init`` (the map's default when None) at ``lr``
+    (the map's default when None)."""
     keywords = _keywords(feature_map.fit)
     kwargs = {"steps": steps}
+    for key, value in (("init", init), ("lr", lr)):
+        if value is None:
+            continue
+        if not _accepts(keywords, key):
+            raise TypeError(f"fit_{key}: {type(feature_map).__name__}.fit takes no {key}=")
+        kwargs[key] = value
     if _accepts(keywords, "progress"):
         kwargs["progress"] = False
     if _accepts(keywords, "seed"):
@@ -187,6 +197,8 @@ def evaluate_map(
     fit_steps: int = 0,
     fit_data: tuple[torch.Tensor, torch.Tensor] | None = None,
     fit_trials: int = 1,
+    fit_init: str | None = None,
+    fit_lr: float | None = None,
     target: str = "map",
     **map_kwargs,
 ) -> dict:
@@ -210,7 +222,12 @@ def evaluate_map(
             rounding), ``ratio_to_optimal`` is NaN: any nonzero error divided by a rounding-
             level optimum is meaningless. ``ratio_note`` then says why.
         fit_steps: if > 0 and the map has ``fit`` (LLoPS), calibrate it first on ``fit_data``
-            (default: q, k themselves, i.e. an in-sample fit).
+            (default: q, k themselves, i.e. an in-sample fit) with that many steps.
+        fit_init: the start of the fit, passed as ``fit(init=...)`` (LLoPS: ``"data"``, its
+            closed-form data-driven start, or ``"current"``, the constructed draw); None
+            keeps the map's default. Given with ``fit_steps=0``, the map is fitted with no
+            steps: for LLoPS ``"data"``, the closed-form start alone.
+        fit_lr: the fit's learning rate (None: the map's default).
         fit_trials: the most trials done for a fitted map (fitting is costly and the fitted
             map depends little on its initial draw).
         target: ``"map"`` measures against the map's ``target_kernel`` (the kernel it computes
@@ -224,7 +241,8 @@ def evaluate_map(
     ``state_dim``, ``square``, ``trials`` (done), ``{metric}_mean`` / ``{metric}_std`` for
     ``rel_frobenius``, ``rmae``, ``max_rel``, ``optimal_rel`` / ``optimal_abs`` (at rank
     state_dim, on the map's own target kernel), ``ratio_to_optimal``, ``ratio_note``,
-    ``fitted`` (steps), ``target`` and ``seconds``.
+    ``fitted`` (steps), ``fit_init`` (the fit's start, "" when not fitted), ``target`` and
+    ``seconds``.
     """
     q, k = check_qk(q, k)
     degree = check_positive_int(degree, "degree")
@@ -232,6 +250,10 @@ def evaluate_map(
     seed = check_int(seed, "seed", minimum=0)
     fit_steps = check_int(fit_steps, "fit_steps", minimum=0)
     fit_trials = check_positive_int(fit_trials, "fit_trials")
+    if fit_init is not None and not isinstance(fit_init, str):
+        raise TypeError(f"fit_init must be a string or None, got {type(fit_init).__name__}")
+    if fit_lr is not None:
+        fit_lr = check_float(fit_lr, "fit_lr", minimum=0.0, strict_minimum=True)
     target = check_choice(target, "target", ("map", "polynomial"))
     if num_features is not None:
         num_features = check_positive_int(num_features, "num_features")
@@ -268,7 +290,7 @@ def evaluate_map(
         raise TypeError(f"name must be a map name or a FeatureMap, got {type(name).__name__}")
 
     n_trials = trials if stochastic else 1
-    fitting = fit_steps > 0 and callable(getattr(build(0), "fit", None))
+    fitting = (fit_steps > 0 or fit_init is not None) and callable(getattr(build(0), "fit", None))
     if fitting:
         n_trials = min(n_trials, fit_trials)
     values = {m: [] for m in METRICS}
@@ -280,7 +302,7 @@ def evaluate_map(
         fm = build(trial_seed).to(device=q.device, dtype=q.dtype)
         if fitting:
             q_fit, k_fit = fit_data if fit_data is not None else (q, k)
-            _fit(fm, q_fit, k_fit, fit_steps, trial_seed)
+            _fit(fm, q_fit, k_fit, fit_steps, trial_seed, fit_init, fit_lr)
         approx, own = kernel_matrices(fm, q, k)
         # A random map's own target may depend on its draw (e.g. fpa with random W_l).
         exact = own if poly is None else poly
@@ -317,6 +339,7 @@ def evaluate_map(
         row["ratio_to_optimal"] = row["rel_frobenius_mean"] / opt.relative
         row["ratio_note"] = ""
     row["fitted"] = fit_steps if fitting else 0
+    row["fit_init"] = (fit_init or "default") if fitting else ""
     row["target"] = _describe_target(exact, q, k)
     row["seconds"] = time.perf_counter() - start
     return row
@@ -377,7 +400,7 @@ def sweep(
     degrees = [check_positive_int(p, "degrees") for p in degrees]
     feature_dims = [check_positive_int(f, "feature_dims") for f in feature_dims]
     map_kwargs = dict(map_kwargs or {})
-    no_fit = {**evaluate_kwargs, "fit_steps": 0}
+    no_fit = {**evaluate_kwargs, "fit_steps": 0, "fit_init": None}
     jobs, rows = [], []
     for name in names:
         try:

@@ -16,7 +16,10 @@ map (``llops``). This module does the same with our pieces, in three stages:
    ``{"q": (N, D), "k": (N, D)}``: a ``test`` file from validation sequences and a ``fit``
    file from training sequences (so the fitted maps are measured out of sample);
 3. ``measure``: ``polysketch approx --source TEST --fit-source FIT --target polynomial`` on each
-   file pair (the CLI a user would run), collected into one table.
+   file pair (the CLI a user would run), collected into one table. LLoPS is fitted as
+   ``LLoPS.fit`` does by default: the closed-form data start (``features.llops_init``: the
+   best rank-s bilinear form of the fit samples, raised to the p-th power through its
+   monomials), then Adam on Eq. 6; the start alone is measured too (``llops_start``).
 
 ``run`` chains them and writes ``table3.csv`` (one row per p, map, F, layer, head),
 ``table3.md`` (RMAE per layer averaged over heads, as the paper's table) and ``table3.png``.
@@ -39,7 +42,7 @@ from .capture import capture_qk
 from .mqar_sweep import LLOPS, make_data, train_one
 from .plots import save_png, subplots
 
-__all__ = ["SETTINGS", "train_exact", "capture_files", "measure", "summarize", "run"]
+__all__ = ["SETTINGS", "MAP_NAMES", "train_exact", "capture_files", "measure", "summarize", "run"]
 
 SETTINGS = {**LLOPS, "n_layer": 3, "steps": 2000}
 """MQAR model and task: LLoPS Table 4's model (d_model 128, 2 heads of 64, short convolution)
@@ -93,6 +96,24 @@ def capture_files(
     return files
 
 
+MAP_NAMES = {
+    "polysketch": "PSF (polysketch)",
+    "llops_start": "LLoPS (llops, data start only)",
+    "llops": "LLoPS (llops, data start + Adam on Eq. 6)",
+}
+"""Table labels of the rows' ``map`` keys."""
+
+
+def _approx(argv: list[str], out: Path) -> list[dict]:
+    from ..cli import main
+
+    status = main([*argv, "--out", str(out), "--no-progress"])
+    if status != 0:
+        raise RuntimeError(f"polysketch {' '.join(argv)} exited with {status}")
+    with open(out / "results.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if not r.get("skipped")]
+
+
 def measure(
     test: Path,
     fit: Path,
@@ -105,22 +126,19 @@ def measure(
     trials: int,
     seed: int = 0,
 ) -> list[dict]:
-    """``polysketch approx`` on one file pair (PSF sketch and fitted LLoPS at ``degree``);
-    returns its ``results.csv`` rows."""
-    from ..cli import main
-
-    argv = [
-        "approx", "--source", str(test), "--fit-source", str(fit),
-        "--maps", "polysketch", "llops", "--degrees", str(degree),
+    """``polysketch approx`` on one file pair: the PSF sketch and LLoPS fitted on ``fit``
+    (closed-form data start + ``fit_steps`` Adam steps), then LLoPS at the data start alone
+    (``--fit-steps 0 --fit-init data``, rows relabelled ``llops_start``); returns the
+    ``results.csv`` rows of both runs."""
+    common = [
+        "approx", "--source", str(test), "--fit-source", str(fit), "--degrees", str(degree),
         "--feature-dims", *map(str, feature_dims), "--target", "polynomial",
-        "--fit-steps", str(fit_steps), "--num", str(num), "--trials", str(trials),
-        "--seed", str(seed), "--out", str(out), "--no-progress",
+        "--num", str(num), "--trials", str(trials), "--seed", str(seed),
     ]  # fmt: skip
-    status = main(argv)
-    if status != 0:
-        raise RuntimeError(f"polysketch {' '.join(argv)} exited with {status}")
-    with open(out / "results.csv", newline="") as f:
-        return [r for r in csv.DictReader(f) if not r.get("skipped")]
+    rows = _approx([*common, "--maps", "polysketch", "llops", "--fit-steps", str(fit_steps)], out)
+    start = _approx([*common, "--maps", "llops", "--fit-steps", "0", "--fit-init", "data"],
+                    out / "data_start")  # fmt: skip
+    return rows + [{**r, "map": "llops_start"} for r in start]
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
@@ -147,7 +165,7 @@ def _markdown(table: Sequence[dict], layers: Sequence[int], meta: str) -> str:
         vals = {
             str(t["layer"]): t["rmae"] for t in table if (t["p"], t["map"], t["F"]) == (p, m, f)
         }
-        name = "PSF (polysketch)" if m == "polysketch" else "LLoPS (llops, fitted)"
+        name = MAP_NAMES.get(m, m)
         lines.append(f"| {p} | {name} | {f} | " + " | ".join(f"{vals[c]:.3f}" for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
@@ -211,8 +229,8 @@ def run(
         f"{s['n_embd'] // s['n_head']}), short conv {s['short_conv']}, MQAR T = "
         f"{s['seq_len']}, {s['num_kv_pairs']} pairs, {s['steps']} steps, lr {lr:g}; "
         + "; ".join(meta)
-        + f". LLoPS fitted {fit_steps} Adam steps on training-sequence "
-        f"q/k, measured on {num} validation q x {num} k per head; PSF {trials} draws."
+        + f". LLoPS fitted on training-sequence q/k (closed-form data start, then {fit_steps} "
+        f"Adam steps), measured on {num} validation q x {num} k per head; PSF {trials} draws."
     )
     (out / "table3.md").write_text(_markdown(table, _layers(s["n_layer"]), info))
     _plot(table, out / "table3.png")

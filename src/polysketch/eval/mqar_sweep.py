@@ -9,10 +9,11 @@ for feature-map attention, 2·L·H·D·T for the softmax KV cache. Recall at a g
 the trade-off BASED's paper studies; softmax attention is the reference.
 
 An attention is named as ``NAME`` or ``NAME:key=value,...`` (``parse_attention``), e.g.
-``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: ``qk_dim``, ``short_conv`` and
-``chunk_size`` set the model (``TransformerConfig``), other keys the feature map. With several
-learning rates (``lrs``) every attention is trained at each and reported at its best (Zoology's
-protocol: a sweep per model, best validation accuracy); the CSV keeps every run.
+``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: ``qk_dim``, ``short_conv``,
+``chunk_size``, ``qk_norm`` and ``rope`` set the model (``TransformerConfig``), other keys the
+feature map. With several learning rates (``lrs``) every attention is trained at each and
+reported at its best (Zoology's protocol: a sweep per model, best validation accuracy); the CSV
+keeps every run.
 
 ``LLOPS`` is the LLoPS paper's Table 4 setting (d_model 128, m = 256, p = 4; BASED's 16-dim
 q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU budget.
@@ -99,7 +100,7 @@ LLOPS_ATTENTIONS = (
 """``--setting llops``'s default attentions: LLoPS at m = 256, p = 4; BASED's map on 16-dim
 queries and keys (as Table 4's BASED)."""
 
-MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size")
+MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size", "qk_norm", "rope")
 """Keys of an attention spec that configure the model rather than the feature map."""
 
 COLUMNS = (
@@ -294,8 +295,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``polysketch mqar`` options."""
     parser.add_argument(
         "--attentions", nargs="+", default=None, metavar="NAME[:k=v,...]",
-        help="attentions, optionally with model (qk_dim, short_conv, chunk_size) or feature-map "
-        "keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
+        help="attentions, optionally with model (qk_dim, short_conv, chunk_size, qk_norm, rope) or "
+        "feature-map keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
     )  # fmt: skip
     parser.add_argument(
         "--setting", choices=("default", "llops"), default="default",

@@ -50,6 +50,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
     qk_dim: int | None = None  # per-head query/key size (default n_embd / n_head; BASED: 16)
     short_conv: int = 0  # kernel size of the short convolution on q, k, v (0 = off)
+    qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
 
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -73,6 +74,8 @@ class TransformerConfig:
         for name in ("rope", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
+            raise TypeError(f"qk_norm must be a bool or None, got {type(self.qk_norm).__name__}")
         return self
 
 
@@ -110,6 +113,7 @@ class Block(nn.Module):
             layer_index=layer_index,
             qk_dim=config.qk_dim,
             short_conv=config.short_conv,
+            qk_norm=config.qk_norm,
             **config.map_kwargs,
         )
         self.ln_2 = nn.LayerNorm(config.n_embd)

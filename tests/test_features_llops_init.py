@@ -1,0 +1,159 @@
+"""The closed-form data-driven LLoPS start (``polysketch.features.llops_init``)."""
+
+import math
+
+import pytest
+import torch
+
+from polysketch.eval.fidelity import evaluate_map, rmae
+from polysketch.features.llops import LLoPS
+from polysketch.features.llops_init import (
+    largest_rank,
+    low_rank_bilinear,
+    monomial_factors,
+    principal_directions,
+)
+
+F64 = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _subspace_samples(n, dim, rank, seed, basis=None):
+    """n vectors of R^dim in a rank-dimensional subspace (the same one for a given basis)."""
+    g = _gen(seed)
+    if basis is None:
+        basis = torch.randn(dim, rank, generator=_gen(99), dtype=F64)
+    return torch.randn(n, rank, generator=g, dtype=F64) @ basis.T
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 4])
+def test_monomial_factors_give_the_projected_polynomial_kernel(degree):
+    d, s = 7, 4
+    a = torch.randn(d, s, generator=_gen(1), dtype=F64)
+    b = torch.randn(d, s, generator=_gen(2), dtype=F64)
+    x = torch.randn(20, d, generator=_gen(3), dtype=F64)
+    y = torch.randn(30, d, generator=_gen(4), dtype=F64)
+    tq, tk = monomial_factors(a, degree), monomial_factors(b, degree)
+    n = math.comb(s + degree - 1, degree)
+    assert tq.shape == (degree, d, n)
+    fm = LLoPS(d, degree=degree, num_features=n).double().set_factors_(tq, tk)
+    expected = ((x @ a) @ (y @ b).T) ** degree
+    atol = 1e-12 * float(expected.abs().max())  # cancellation near zero entries
+    torch.testing.assert_close(fm.approx_kernel(x, y), expected, rtol=1e-9, atol=atol)
+
+
+def test_low_rank_bilinear_reaches_the_eckart_young_optimum():
+    q = torch.randn(60, 10, generator=_gen(5), dtype=F64)
+    k = torch.randn(50, 10, generator=_gen(6), dtype=F64) @ torch.diag(
+        torch.linspace(3, 0.1, 10, dtype=F64)
+    )
+    s = 4
+    a, b = low_rank_bilinear(q, k, s)
+    assert a.shape == b.shape == (10, s)
+    err = torch.linalg.norm(q @ k.T - (q @ a) @ (k @ b).T)
+    sigma = torch.linalg.svdvals(q @ k.T)
+    torch.testing.assert_close(err, sigma[s:].square().sum().sqrt(), rtol=1e-9, atol=1e-9)
+
+
+def test_low_rank_bilinear_caps_the_rank_at_the_data_and_rejects_orthogonal_samples():
+    q = _subspace_samples(40, 8, 3, seed=1)
+    k = _subspace_samples(40, 8, 3, seed=2)
+    a, b = low_rank_bilinear(q, k, 6)
+    assert a.shape[1] == b.shape[1] == 3
+    torch.testing.assert_close((q @ a) @ (k @ b).T, q @ k.T, rtol=1e-9, atol=1e-9)
+    e = torch.eye(4, dtype=F64)
+    with pytest.raises(ValueError, match="common directions"):
+        low_rank_bilinear(e[:2], e[2:], 2)
+    with pytest.raises(ValueError, match="k"):
+        low_rank_bilinear(q, torch.randn(5, 7, dtype=F64), 2)
+    with pytest.raises(ValueError, match="q"):
+        low_rank_bilinear(torch.full((3, 8), float("nan")), k, 2)
+
+
+def test_principal_directions_span_the_samples():
+    x = _subspace_samples(50, 9, 3, seed=3)
+    u = principal_directions(x, 5)
+    assert u.shape == (9, 3)
+    torch.testing.assert_close(u.T @ u, torch.eye(3, dtype=F64), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(x @ u @ u.T, x, rtol=1e-9, atol=1e-9)
+
+
+def test_largest_rank_counts_monomials():
+    assert largest_rank(256, 2, 64) == 22  # C(23, 2) = 253 <= 256 < C(24, 2) = 276
+    assert largest_rank(256, 3, 64) == 10  # C(12, 3) = 220 <= 256 < 286
+    assert largest_rank(256, 4, 64) == 7  # C(10, 4) = 210 <= 256 < 330
+    assert largest_rank(64, 2, 64) == 10
+    assert largest_rank(1, 3, 64) == 1
+    assert largest_rank(10**6, 2, 5) == 5  # capped at the input dimension
+    with pytest.raises(ValueError, match="num_features"):
+        largest_rank(0, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "degree, num_features, shared, square, rank",
+    [
+        (2, 64, False, False, 1),
+        (3, 64, True, False, 1),
+        (2, 40, False, True, 2),
+        (4, 256, False, False, 1),
+    ],
+)
+def test_init_from_data_is_exact_on_low_dimensional_samples(
+    degree, num_features, shared, square, rank
+):
+    s = largest_rank(num_features, degree, 12)
+    q = _subspace_samples(200, 12, s, seed=7)
+    k = _subspace_samples(150, 12, s, seed=8)
+    fm = LLoPS(12, degree=degree, num_features=num_features, shared=shared, square=square,
+               rank=rank, seed=0).double()  # fmt: skip
+    fm.init_from_data_(q, k, spare_scale=0.0)
+    exact = fm.target_kernel(q, k)
+    rel = torch.linalg.norm(fm.approx_kernel(q, k) - exact) / torch.linalg.norm(exact)
+    assert rel < 1e-10
+
+
+def test_data_start_beats_the_random_start_and_fit_never_ends_worse():
+    # anisotropic samples, like trained queries and keys: most energy in a few directions
+    scales = torch.logspace(0, -2, 16, dtype=F64)
+    q = torch.randn(400, 16, generator=_gen(1), dtype=F64) * scales
+    k = torch.randn(400, 16, generator=_gen(2), dtype=F64) * scales
+    q_test = torch.randn(200, 16, generator=_gen(3), dtype=F64) * scales
+    k_test = torch.randn(200, 16, generator=_gen(4), dtype=F64) * scales
+    exact = (q_test @ k_test.T) ** 2
+
+    def test_rmae(fm):
+        return rmae(fm.approx_kernel(q_test, k_test).detach(), exact)
+
+    data = LLoPS(16, degree=2, num_features=21, seed=0).double()
+    assert data.fit(q, k, steps=0, seed=0) == []
+    randomly = LLoPS(16, degree=2, num_features=21, seed=0).double()
+    randomly.fit(q, k, steps=200, init="current", seed=0, progress=False)
+    assert test_rmae(data) * 5 < test_rmae(randomly)
+
+    check = LLoPS(16, degree=2, num_features=21, seed=0).double()
+    check.fit(q, k, steps=0, seed=0)
+    before = check._fit_loss(q, k, None)
+    history = check.fit(q, k, steps=30, lr=0.5, init="current", seed=0, progress=False)
+    assert len(history) == 30
+    assert check._fit_loss(q, k, None) <= before  # a too-large lr cannot make it worse
+
+
+def test_fidelity_measures_the_data_start_alone():
+    scales = torch.logspace(0, -2, 8, dtype=F64)
+    q = torch.randn(64, 8, generator=_gen(1), dtype=F64) * scales
+    k = torch.randn(64, 8, generator=_gen(2), dtype=F64) * scales
+    fit = (torch.randn(256, 8, generator=_gen(3), dtype=F64) * scales,
+           torch.randn(256, 8, generator=_gen(4), dtype=F64) * scales)  # fmt: skip
+    kw = {"degree": 2, "num_features": 15, "trials": 1, "fit_data": fit}
+    start = evaluate_map("llops", q, k, fit_init="data", **kw)
+    built = evaluate_map("llops", q, k, **kw)
+    assert (start["fitted"], start["fit_init"]) == (0, "data")
+    assert (built["fitted"], built["fit_init"]) == (0, "")
+    assert start["rmae_mean"] * 5 < built["rmae_mean"]
+    with pytest.raises(TypeError, match="fit_init"):
+        evaluate_map("llops", q, k, fit_init=3, **kw)
+    with pytest.raises(ValueError, match="fit_lr"):
+        evaluate_map("llops", q, k, fit_steps=1, fit_lr=-1.0, **kw)
