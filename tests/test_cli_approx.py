@@ -202,3 +202,29 @@ def test_approx_fit_source_is_used_for_fitting(tmp_path, capsys):
     argv[argv.index("--fit-source") + 1] = str(tmp_path / "missing.pt")
     assert main(argv) == 2
     assert "--fit-source" in capsys.readouterr().err
+
+
+def test_approx_fit_init_data_alone_measures_the_closed_form_start(tmp_path):
+    """--fit-init data --fit-steps 0: LLoPS at its data start, no Adam steps. On q, k in a
+    3-dim subspace, F = 6 = C(3 + 1, 2) monomials reproduce (q·k)² exactly; the constructed
+    random draw does not."""
+    gen = torch.Generator().manual_seed(1)
+    basis = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    paths = {}
+    for name, n in (("test", 48), ("fit", 128)):
+        q = torch.randn(n, 3, generator=gen, dtype=torch.float64) @ basis.T
+        k = torch.randn(n, 3, generator=gen, dtype=torch.float64) @ basis.T
+        paths[name] = tmp_path / f"{name}.pt"
+        torch.save({"q": q, "k": k}, paths[name])
+    base = ["approx", "--maps", "llops", "--degrees", "2", "--feature-dims", "6",
+            "--source", str(paths["test"]), "--fit-source", str(paths["fit"]),
+            "--target", "polynomial", "--trials", "1", "--no-progress"]  # fmt: skip
+    rows = {}
+    for label, extra in (("start", ["--fit-init", "data", "--fit-steps", "0"]),
+                         ("built", ["--fit-steps", "0"])):  # fmt: skip
+        assert main([*base, *extra, "--out", str(tmp_path / label)]) == 0
+        (rows[label],) = _read(tmp_path / label / "results.csv")
+    assert (rows["start"]["fitted"], rows["start"]["fit_init"]) == ("0", "data")
+    assert rows["built"]["fit_init"] == ""
+    assert float(rows["start"]["rel_frobenius_mean"]) < 1e-8
+    assert float(rows["built"]["rel_frobenius_mean"]) > 0.1
