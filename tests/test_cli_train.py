@@ -125,6 +125,34 @@ def test_mqar_specs_and_learning_rate_sweep(tmp_path, capsys):
     assert "best lr" in printed and "llops:num_features=8,degree=4" in printed
 
 
+def test_mqar_model_keys_and_rows_reported_as_they_finish():
+    """qk_norm / rope in a spec reach the model; on_row sees the rows after every run (the CLI
+    rewrites its CSV there)."""
+    from polysketch.eval.mqar_sweep import QUICK, parse_attention, run_sweep
+
+    assert parse_attention("polynomial:degree=2,qk_norm=False,rope=False") == (
+        "polynomial", {"qk_norm": False, "rope": False}, {"degree": 2}
+    )  # fmt: skip
+    seen = []
+    rows = run_sweep(
+        ["polynomial:degree=2,qk_norm=False,rope=False", "polynomial:degree=2"],
+        settings={**QUICK, "steps": 1}, log=None, on_row=lambda done: seen.append(len(done)),
+    )  # fmt: skip
+    assert seen == [1, 2] and len(rows) == 2
+
+
+def test_transformer_config_qk_norm_switch():
+    from polysketch.nn import TransformerConfig, TransformerLM
+
+    base = {"vocab_size": 16, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 8,
+            "attention": "polynomial"}  # fmt: skip
+    assert TransformerLM(TransformerConfig(**base)).blocks[0].attn.q_norm is not None
+    off = TransformerLM(TransformerConfig(**base, qk_norm=False)).blocks[0].attn
+    assert off.q_norm is None and off.k_norm is None
+    with pytest.raises(TypeError, match="qk_norm"):
+        TransformerConfig(**base, qk_norm="no").validate()
+
+
 def test_parse_attention_and_best_rows():
     from polysketch.eval.mqar_sweep import best_rows, parse_attention
 

@@ -147,13 +147,16 @@ def run_sweep(
     progress: bool = False,
     lrs: Sequence[float] | None = None,
     log=print,
+    on_row=None,
 ) -> list[dict]:
     """Train and score one model per attention (and learning rate); returns rows with the
     ``COLUMNS`` keys, one per run (``best_rows`` picks the best learning rate of each).
 
     ``attentions``: specs as ``parse_attention`` reads them. ``settings`` overrides keys of
     ``FULL`` (data sizes, model size, steps, batch, lr, short_conv). ``lrs``: learning rates
-    to sweep (None: ``settings["lr"]`` only).
+    to sweep (None: ``settings["lr"]`` only). ``on_row``: called with the list of rows so
+    far after every run (``polysketch mqar`` rewrites its CSV there, so a long sweep that is
+    stopped keeps the runs it finished).
     """
     s = {**FULL, **(settings or {})}
     if not attentions:
@@ -181,6 +184,8 @@ def run_sweep(
             "train_s": time.perf_counter() - t0,
         }
         rows.append(row)
+        if on_row is not None:
+            on_row(list(rows))
         if log is not None:
             log(
                 f"{label:>16s} lr {lr:g}: accuracy {row['accuracy']:.3f}  "
@@ -327,6 +332,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         attentions = LLOPS_ATTENTIONS if args.setting == "llops" else DEFAULT_ATTENTIONS
     settings = {k: (getattr(args, k) if getattr(args, k) is not None else v)
                 for k, v in base.items()}  # fmt: skip
+    out = Path(args.out)
     try:
         if args.threads is not None:
             torch.set_num_threads(check_positive_int(args.threads, "threads"))
@@ -337,12 +343,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             seed=args.seed,
             device=args.device,
             progress=args.progress,
+            on_row=lambda done: write_csv(done, out / "mqar.csv"),
         )
     except (ValueError, TypeError) as err:
         print(f"polysketch mqar: error: {err}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    out = Path(args.out)
     csv_path = write_csv(rows, out / "mqar.csv")
     png_path = plot_sweep(
         rows, out / "mqar.png",
