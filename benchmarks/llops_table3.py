@@ -9,8 +9,9 @@ Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 2000
 Each (layer, head) is measured by ``polysketch approx --source TEST --fit-source FIT`` on the
 captured files (kept in ``OUT/qk/``, so any other map can be measured on them later). Writes
 ``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. The defaults (README's run)
-took 95 minutes of wall time on 2 CPU cores shared with other jobs (about 40 minutes of one
-core's time); ``--quick`` is a seconds-long smoke run.
+took 52 minutes of wall time on one CPU core while another job used the other (two models of
+about 10 minutes each, then 12 ``approx`` runs of about 80 s); ``--quick`` is a seconds-long
+smoke run.
 """
 
 from __future__ import annotations
