@@ -22,6 +22,11 @@ def _deterministic():
     yield
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, for reproducible test draws."""
+    return torch.Generator().manual_seed(seed)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ||a - b|| / ||b||."""
     a, b = a.detach(), b.detach()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, seeded
 from polysketch.features import create
 from polysketch.features.complex_exp import complex_exp_features
 from polysketch.features.hybrid_clustered import (
@@ -21,12 +21,8 @@ from polysketch.features.hybrid_clustered import (
 F64 = torch.float64
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def _blobs(centers, n, sigma, seed):
-    g = _gen(seed)
+    g = seeded(seed)
     return torch.cat(
         [c + sigma * torch.randn(n, c.numel(), generator=g, dtype=F64) for c in centers]
     )
@@ -34,7 +30,7 @@ def _blobs(centers, n, sigma, seed):
 
 def _generic_data(dim=6, n=12, sigma=0.02, seed=0):
     """Two query blobs and three key blobs around random centers of norm ~1."""
-    g = _gen(seed)
+    g = seeded(seed)
     cq = 0.4 * torch.randn(2, dim, generator=g, dtype=F64)
     ck = 0.4 * torch.randn(3, dim, generator=g, dtype=F64)
     return _blobs(cq, n, sigma, seed + 1), _blobs(ck, n, sigma, seed + 2)
@@ -43,7 +39,7 @@ def _generic_data(dim=6, n=12, sigma=0.02, seed=0):
 def _paper_like_data(dim=8, n=20, sigma=0.02, seed=0):
     """App. H.3-style synthetic data: key centers with coordinate signs opposite to the query
     centers' (small Eq. 21 loss for real diagonal A), norms 0.5 (queries) and 1.5 (keys)."""
-    g = _gen(seed)
+    g = seeded(seed)
     x = torch.randn(2, dim, generator=g, dtype=F64)
     y = -torch.randn(2, dim, generator=g, dtype=F64).abs() * torch.sign(x.sum(0))
     x = 0.5 * x / x.norm(dim=-1, keepdim=True)
@@ -83,7 +79,7 @@ def _naive_kernel(fmap, x, y):
 
 # ----- closed-form A (Eq. 21, App. H.2) -------------------------------------------------------
 def test_closed_form_losses_match_theory():
-    g = _gen(1)
+    g = seeded(1)
     cq, ck = torch.randn(3, 7, generator=g, dtype=F64), torch.randn(4, 7, generator=g, dtype=F64)
     prod = cq[:, None, :] * ck[None, :, :]
     loss = pair_loss(*closed_form_A(cq, ck, "real_diagonal"), cq, ck, "real_diagonal")
@@ -101,7 +97,7 @@ def test_closed_form_losses_match_theory():
 
 @pytest.mark.parametrize("family", ["real_diagonal", "real"])
 def test_closed_form_is_optimal_in_its_family(family):
-    g = _gen(2)
+    g = seeded(2)
     cq, ck = torch.randn(2, 5, generator=g, dtype=F64), torch.randn(2, 5, generator=g, dtype=F64)
     a, _ = closed_form_A(cq, ck, family)
     best = pair_loss(a, None, cq, ck, family)
@@ -120,7 +116,7 @@ def test_closed_form_is_optimal_in_its_family(family):
 
 
 def test_closed_form_complex_perturbation_increases_loss():
-    g = _gen(3)
+    g = seeded(3)
     cq, ck = torch.randn(2, 5, generator=g, dtype=F64), torch.randn(2, 5, generator=g, dtype=F64)
     re, im = closed_form_A(cq, ck, "complex_diagonal")
     pr = re + 0.01 * torch.randn(re.shape, generator=g, dtype=F64)
@@ -141,8 +137,8 @@ def test_closed_form_handles_zero_coordinates():
 def test_kmeans_deterministic_and_recovers_blobs():
     truth = torch.tensor([[3.0, 0.0], [0.0, 3.0], [-3.0, -3.0]], dtype=F64)
     x = _blobs(truth, 30, 0.1, 4)
-    c1, l1 = kmeans(x, 3, generator=_gen(5))
-    c2, l2 = kmeans(x, 3, generator=_gen(5))
+    c1, l1 = kmeans(x, 3, generator=seeded(5))
+    c2, l2 = kmeans(x, 3, generator=seeded(5))
     assert torch.equal(c1, c2) and torch.equal(l1, l2)
     dist = torch.cdist(truth, c1).min(-1).values
     assert dist.max() < 0.1  # every true center found
@@ -167,7 +163,7 @@ def test_matches_naive_per_pair_reference_values_and_grads(family, antithetic):
     x, y = q[::3].clone().requires_grad_(), k[::2].clone().requires_grad_()
     fast, naive = fmap.approx_kernel(x, y), _naive_kernel(fmap, x, y)
     assert rel_err(fast.detach(), naive.detach()) < 1e-12
-    weights = torch.randn(fast.shape, generator=_gen(9), dtype=F64)
+    weights = torch.randn(fast.shape, generator=seeded(9), dtype=F64)
     g_fast = torch.autograd.grad((fast * weights).sum(), (x, y))
     g_naive = torch.autograd.grad((naive * weights).sum(), (x, y))
     for a, b in zip(g_fast, g_naive, strict=True):
@@ -196,7 +192,7 @@ def test_unbiased_for_softmax_kernel(family):
     assert rel_err(exact, torch.exp(0.8 * x @ y.T)) < 1e-15
     draws = []
     for t in range(200):
-        fmap.redraw_(_gen(100 + t))
+        fmap.redraw_(seeded(100 + t))
         draws.append(fmap.approx_kernel(x, y))
     draws = torch.stack(draws)
     z = (draws.mean(0) - exact) / (draws.std(0) / math.sqrt(draws.shape[0]))
@@ -214,7 +210,7 @@ def test_mse_formula_and_lower_than_positive_on_clustered_data():
     def empirical(m, trials=200):
         est = []
         for t in range(trials):
-            m.redraw_(_gen(1000 + t))
+            m.redraw_(seeded(1000 + t))
             est.append(m.approx_kernel(q, k))
         return ((torch.stack(est) - exact) ** 2).mean(0) / exact**2
 
@@ -237,7 +233,7 @@ def test_complex_diagonal_beats_positive_on_generic_clusters():
     for m in (fmap, pos):
         est = []
         for t in range(100):
-            m.redraw_(_gen(t))
+            m.redraw_(seeded(t))
             est.append(m.approx_kernel(q, k))
         mse.append(((torch.stack(est) - exact) ** 2).mean())
     assert mse[0] < mse[1] / 10

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import seeded
 from polysketch.eval.fidelity import evaluate_map, rmae
 from polysketch.features.llops import LLoPS
 from polysketch.features.llops_init import (
@@ -17,25 +18,21 @@ from polysketch.features.llops_init import (
 F64 = torch.float64
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def _subspace_samples(n, dim, rank, seed, basis=None):
     """n vectors of R^dim in a rank-dimensional subspace (the same one for a given basis)."""
-    g = _gen(seed)
+    g = seeded(seed)
     if basis is None:
-        basis = torch.randn(dim, rank, generator=_gen(99), dtype=F64)
+        basis = torch.randn(dim, rank, generator=seeded(99), dtype=F64)
     return torch.randn(n, rank, generator=g, dtype=F64) @ basis.T
 
 
 @pytest.mark.parametrize("degree", [1, 2, 3, 4])
 def test_monomial_factors_give_the_projected_polynomial_kernel(degree):
     d, s = 7, 4
-    a = torch.randn(d, s, generator=_gen(1), dtype=F64)
-    b = torch.randn(d, s, generator=_gen(2), dtype=F64)
-    x = torch.randn(20, d, generator=_gen(3), dtype=F64)
-    y = torch.randn(30, d, generator=_gen(4), dtype=F64)
+    a = torch.randn(d, s, generator=seeded(1), dtype=F64)
+    b = torch.randn(d, s, generator=seeded(2), dtype=F64)
+    x = torch.randn(20, d, generator=seeded(3), dtype=F64)
+    y = torch.randn(30, d, generator=seeded(4), dtype=F64)
     tq, tk = monomial_factors(a, degree), monomial_factors(b, degree)
     n = math.comb(s + degree - 1, degree)
     assert tq.shape == (degree, d, n)
@@ -46,8 +43,8 @@ def test_monomial_factors_give_the_projected_polynomial_kernel(degree):
 
 
 def test_low_rank_bilinear_reaches_the_eckart_young_optimum():
-    q = torch.randn(60, 10, generator=_gen(5), dtype=F64)
-    k = torch.randn(50, 10, generator=_gen(6), dtype=F64) @ torch.diag(
+    q = torch.randn(60, 10, generator=seeded(5), dtype=F64)
+    k = torch.randn(50, 10, generator=seeded(6), dtype=F64) @ torch.diag(
         torch.linspace(3, 0.1, 10, dtype=F64)
     )
     s = 4
@@ -118,10 +115,10 @@ def test_init_from_data_is_exact_on_low_dimensional_samples(
 def test_data_start_beats_the_random_start_and_fit_never_ends_worse():
     # anisotropic samples, like trained queries and keys: most energy in a few directions
     scales = torch.logspace(0, -2, 16, dtype=F64)
-    q = torch.randn(400, 16, generator=_gen(1), dtype=F64) * scales
-    k = torch.randn(400, 16, generator=_gen(2), dtype=F64) * scales
-    q_test = torch.randn(200, 16, generator=_gen(3), dtype=F64) * scales
-    k_test = torch.randn(200, 16, generator=_gen(4), dtype=F64) * scales
+    q = torch.randn(400, 16, generator=seeded(1), dtype=F64) * scales
+    k = torch.randn(400, 16, generator=seeded(2), dtype=F64) * scales
+    q_test = torch.randn(200, 16, generator=seeded(3), dtype=F64) * scales
+    k_test = torch.randn(200, 16, generator=seeded(4), dtype=F64) * scales
     exact = (q_test @ k_test.T) ** 2
 
     def test_rmae(fm):
@@ -143,10 +140,10 @@ def test_data_start_beats_the_random_start_and_fit_never_ends_worse():
 
 def test_fidelity_measures_the_data_start_alone():
     scales = torch.logspace(0, -2, 8, dtype=F64)
-    q = torch.randn(64, 8, generator=_gen(1), dtype=F64) * scales
-    k = torch.randn(64, 8, generator=_gen(2), dtype=F64) * scales
-    fit = (torch.randn(256, 8, generator=_gen(3), dtype=F64) * scales,
-           torch.randn(256, 8, generator=_gen(4), dtype=F64) * scales)  # fmt: skip
+    q = torch.randn(64, 8, generator=seeded(1), dtype=F64) * scales
+    k = torch.randn(64, 8, generator=seeded(2), dtype=F64) * scales
+    fit = (torch.randn(256, 8, generator=seeded(3), dtype=F64) * scales,
+           torch.randn(256, 8, generator=seeded(4), dtype=F64) * scales)  # fmt: skip
     kw = {"degree": 2, "num_features": 15, "trials": 1, "fit_data": fit}
     start = evaluate_map("llops", q, k, fit_init="data", **kw)
     built = evaluate_map("llops", q, k, **kw)

@@ -14,6 +14,7 @@ the truncated SVD of ``(QKᵀ)^{∘p}`` (``optimal_error``).
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -31,7 +32,13 @@ from .._checks import (
 )
 from ..random import gaussian, make_generator
 from .base import FeatureMap, register
-from .llops_init import largest_rank, low_rank_bilinear, monomial_factors, principal_directions
+from .llops_init import (
+    _flat_finite,
+    largest_rank,
+    low_rank_bilinear,
+    monomial_factors,
+    principal_directions,
+)
 
 __all__ = ["LLoPS", "based_factors", "fit_kernel", "optimal_error", "relative_loss"]
 
@@ -57,14 +64,6 @@ def optimal_error(q: torch.Tensor, k: torch.Tensor, *, degree: int, num_features
     a = (q.reshape(-1, q.shape[-1]) @ k.reshape(-1, k.shape[-1]).T) ** degree
     s2 = torch.linalg.svdvals(a).square()
     return float(s2[num_features:].sum() / s2.sum().clamp_min(1e-300))
-
-
-def _flat_finite(x, name: str, dim: int) -> torch.Tensor:
-    x = check_tensor(x, name, min_dim=1, last_dim=dim)
-    x = x.reshape(-1, dim)
-    if x.shape[0] == 0:
-        raise ValueError(f"{name} must hold at least one vector, got shape {tuple(x.shape)}")
-    return check_finite(x, name)
 
 
 def _check_sample(q, k, dim: int, generator: torch.Generator, size: int = 2048):
@@ -383,7 +382,7 @@ class LLoPS(FeatureMap):
             self.init_from_data_(q, k, generator=gen)
         if steps == 0:
             return []
-        start = {name: p.detach().clone() for name, p in self.named_parameters()}
+        start = copy.deepcopy(self.state_dict())
         check = _check_sample(q, k, self.dim, gen)
         before = self._fit_loss(*check, degree)
         history = fit_kernel(
@@ -398,9 +397,7 @@ class LLoPS(FeatureMap):
             progress=progress,
         )
         if self._fit_loss(*check, degree) > before:  # Adam left a better start: keep it
-            with torch.no_grad():
-                for name, p in self.named_parameters():
-                    p.copy_(start[name])
+            self.load_state_dict(start)
         return history
 
     @torch.no_grad()
