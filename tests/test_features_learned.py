@@ -8,7 +8,7 @@ from torch.func import functional_call
 
 from conftest import rel_err
 from polysketch.features import create
-from polysketch.features.learned import LearnedPolySketch
+from polysketch.features.learned import LearnedPolySketch, lecun_normal
 
 
 def _naive_features(fmap, x):
@@ -45,6 +45,31 @@ def test_architecture_and_formula():
         assert torch.equal(fmap.query(x), fmap.key(x))
     default = create("learned_polysketch", 8)
     assert default.feature_dim == 32 and default.levels == 2 and default.expansion == 8
+
+
+def test_lecun_normal_has_variance_one_over_fan_in_and_is_truncated():
+    g = torch.Generator().manual_seed(0)
+    w = lecun_normal((512, 256), g)
+    assert w.dtype == torch.float32 and w.shape == (512, 256)
+    assert abs(w.double().var().item() * 256 - 1.0) < 0.02
+    assert abs(w.double().mean().item()) < 1e-3
+    # truncated at two standard deviations of the underlying normal (σ = 1/(0.8796·√n))
+    assert w.abs().max().item() <= 2.0 / (0.87962566103423978 * 16.0) + 1e-6
+    assert torch.equal(w, lecun_normal((512, 256), torch.Generator().manual_seed(0)))
+
+
+def test_initial_scores_are_order_one_on_layernormed_inputs():
+    """The normalizer 1 + Σ s must not own the output at initialization: with LeCun-normal
+    weights φ has RMS ≈ 0.4 and the mean score is O(1) (module docstring)."""
+    x = torch.nn.functional.layer_norm(
+        torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(1)), (64,)
+    )
+    fm = LearnedPolySketch(64, seed=0)
+    with torch.no_grad():
+        phi = fm.query(x)
+        s = (phi @ phi.transpose(-1, -2)) ** 2
+    assert 0.25 < phi.pow(2).mean().sqrt().item() < 0.6
+    assert 0.3 < s.mean().item() < 10.0
 
 
 def test_scores_nonnegative_and_bounded():
