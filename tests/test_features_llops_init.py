@@ -154,3 +154,77 @@ def test_fidelity_measures_the_data_start_alone():
         evaluate_map("llops", q, k, fit_init=3, **kw)
     with pytest.raises(ValueError, match="fit_lr"):
         evaluate_map("llops", q, k, fit_steps=1, fit_lr=-1.0, **kw)
+
+
+def _quadratic_form(fm, d, degree):
+    """M with K(x, x) = (xᵀMx)^p for a kernel (xᵀMy)^p with M PSD, by polarization:
+    M_ii = K(e_i, e_i)^{1/p}, M_ij = (K(e_i + e_j, e_i + e_j)^{1/p} − M_ii − M_jj) / 2."""
+    eye = torch.eye(d, dtype=F64)
+
+    def form(x):
+        with torch.no_grad():
+            return (fm.query(x) * fm.key(x)).sum(-1).clamp_min(0) ** (1.0 / degree)
+
+    diag = form(eye)
+    pairs = form((eye[:, None] + eye[None]).reshape(-1, d)).reshape(d, d)
+    m = (pairs - diag[:, None] - diag[None]) / 2
+    m.diagonal().copy_(diag)
+    return m
+
+
+@pytest.mark.parametrize("degree, num_features", [(2, 36), (3, 56), (4, 256)])
+def test_monomial_init_is_the_polynomial_kernel_of_a_random_projection(degree, num_features):
+    """init="monomial": φQ(x)·φK(y) = (xᵀ A Aᵀ y)^p with A (D, s) of rank s = largest_rank,
+    up to the spare columns (× 1e-2 per factor); non-negative scores for even p."""
+    d = 16
+    s = largest_rank(num_features, degree, d)
+    fm = LLoPS(d, degree=degree, num_features=num_features, init="monomial", seed=3).double()
+    m = _quadratic_form(fm, d, degree)
+    eig = torch.linalg.eigvalsh(m)
+    assert (eig > -1e-3 * eig.max()).all()  # PSD
+    assert int((eig > 1e-3 * eig.max()).sum()) == s  # rank s
+    x = torch.randn(40, d, generator=seeded(5), dtype=F64)
+    y = torch.randn(50, d, generator=seeded(6), dtype=F64)
+    with torch.no_grad():
+        got = fm.query(x) @ fm.key(y).T
+    expected = (x @ m @ y.T) ** degree
+    assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
+    if degree % 2 == 0:
+        assert got.min() >= -1e-6 * got.max()
+
+
+def test_monomial_init_projection_is_unbiased_on_average():
+    """A = Gᵀ/√s with G an orthogonal Gaussian draw, so E[AAᵀ] = I: over seeds the recovered
+    M averages to the identity (trace D on average, off-diagonals near 0)."""
+    d, degree, f = 8, 3, 56
+    ms = []
+    for seed in range(40):
+        fm = LLoPS(d, degree=degree, num_features=f, init="monomial", seed=seed).double()
+        e = torch.eye(d, dtype=F64)
+        with torch.no_grad():
+            k = fm.query(e) @ fm.key(e).T  # M_ij^3 (odd p keeps the sign)
+        ms.append(torch.sign(k) * k.abs() ** (1 / 3))
+    mean = torch.stack(ms).mean(0)
+    assert (mean - torch.eye(d, dtype=F64)).abs().max() < 0.35
+
+
+def test_monomial_init_gives_a_model_nonnegative_normalizers():
+    """Inside KernelAttention (LayerNorm'd q/k, offset 1) the sketch draw at p = 4 leaves
+    many normalizers negative; the monomial start none."""
+    from polysketch.eval.quality_diagnosis import capture_qkv
+    from polysketch.nn import TransformerConfig, TransformerLM
+
+    def normalizers(init):
+        torch.manual_seed(0)
+        maps = {"num_features": 70, "degree": 4, "init": init}
+        cfg = TransformerConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=32,
+                                attention="llops", chunk_size=8, map_kwargs=maps)  # fmt: skip
+        model = TransformerLM(cfg)
+        ((q, k, _),) = capture_qkv(model, torch.randint(0, 32, (4, 32), generator=seeded(0)))
+        fm = model.blocks[0].attn.feature_map
+        with torch.no_grad():
+            s = (fm.query(q) @ fm.key(k).transpose(-1, -2)).tril()
+        return 1.0 + s.sum(-1)
+
+    assert (normalizers("sketch") < 0).float().mean() > 0.1
+    assert (normalizers("monomial") > 0).all()

@@ -30,7 +30,7 @@ from .._checks import (
     check_positive_int,
     check_tensor,
 )
-from ..random import gaussian, make_generator
+from ..random import gaussian, make_generator, orthogonal_gaussian
 from .base import FeatureMap, register
 from .llops_init import (
     _flat_finite,
@@ -41,6 +41,10 @@ from .llops_init import (
 )
 
 __all__ = ["LLoPS", "based_factors", "fit_kernel", "optimal_error", "relative_loss"]
+
+_SPARE_SCALE = 1e-2
+"""Scale of the columns and rank slots a monomial start leaves over (small, not zero: a
+product of zero factors has zero gradient)."""
 
 
 def relative_loss(approx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -190,7 +194,16 @@ class LLoPS(FeatureMap):
             and K — a Gaussian product sketch with ``E[φQ(x)·φK(y)] = (x·y)^p``, since
             ``E[∏_j (x·g_j)(y·g_j)] = (x·y)^p`` for independent g_j ~ N(0, I) and the F·t
             terms average; ``"random"``: independent draws of the same size for Q and K
-            (the paper does not fix an init; this starts from E[φQ·φK] = 0).
+            (the paper does not fix an init; this starts from E[φQ·φK] = 0);
+            ``"monomial"``: the exact degree-p kernel of a random s-dimensional projection,
+            ``φQ(x)·φK(y) = (Aᵀx·Aᵀy)^p`` with A = Gᵀ/√s (G an (s, D) orthogonal Gaussian
+            draw, so E[AAᵀ] = I) through its C(s + p − 1, p) monomials (``init_from_data_``'s
+            construction without data; s the largest rank that fits in F; the other columns
+            get the sketch draw × 1e-2). Unlike the sketch draw, whose variance
+            ‖x‖^{2p}‖y‖^{2p}/F dwarfs (x·y)^p at p = 4 so that half the scores and
+            normalizers of a freshly built model are negative, this start is a positive
+            semi-definite kernel with non-negative scores for even p: BASED's start (Eq. 20,
+            §4.2) generalised to any p. Use it to train LLoPS inside a model.
         seed, generator: make the initial draw reproducible (``make_generator``).
 
     Parameters: ``theta_q`` (and ``theta_k`` unless ``shared``), shape (t, p, D, F), stored
@@ -222,7 +235,7 @@ class LLoPS(FeatureMap):
         if not isinstance(shared, bool):
             raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
         self.shared = shared
-        self.init = check_choice(init, "init", ("sketch", "random"))
+        self.init = check_choice(init, "init", ("sketch", "random", "monomial"))
         shape = (self.rank, self.degree, self.dim, self.num_features)
         self.theta_q = nn.Parameter(torch.zeros(shape))
         self.theta_k = None if shared else nn.Parameter(torch.zeros(shape))
@@ -243,9 +256,24 @@ class LLoPS(FeatureMap):
         draw_q = gaussian(*shape, generator=gen) * std
         self.theta_q.copy_(draw_q)
         if self.theta_k is not None:
-            draw_k = draw_q if self.init == "sketch" else gaussian(*shape, generator=gen) * std
+            draw_k = draw_q if self.init != "random" else gaussian(*shape, generator=gen) * std
             self.theta_k.copy_(draw_k)
+        if self.init == "monomial":
+            s = largest_rank(self.num_features, self.degree, self.dim)
+            a = orthogonal_gaussian(s, self.dim, generator=gen).T / s**0.5  # (D, s)
+            self._place_monomials(a, a, _SPARE_SCALE)
         return self
+
+    @torch.no_grad()
+    def _place_monomials(self, a: torch.Tensor, b: torch.Tensor, spare_scale: float) -> None:
+        """Columns 0..n−1 of rank slot 0 <- ``monomial_factors`` of A (queries) and B (keys),
+        so ``φQ(x)·φK(y) = (Aᵀx·Bᵀy)^p``; every other entry is scaled by ``spare_scale``."""
+        for theta, proj in ((self.theta_q, a), (self.theta_k, b)):
+            if theta is None:
+                continue
+            factors = monomial_factors(proj, self.degree).to(theta)  # (p, D, n)
+            theta.mul_(spare_scale)
+            theta[0, :, :, : factors.shape[-1]] = factors
 
     @torch.no_grad()
     def set_factors_(self, theta_q: torch.Tensor, theta_k: torch.Tensor | None = None) -> LLoPS:
@@ -281,7 +309,7 @@ class LLoPS(FeatureMap):
         q: torch.Tensor,
         k: torch.Tensor,
         *,
-        spare_scale: float = 1e-2,
+        spare_scale: float = _SPARE_SCALE,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> LLoPS:
@@ -305,13 +333,13 @@ class LLoPS(FeatureMap):
             a = b = principal_directions(torch.cat([q, k.to(q.dtype)]), rank)
         else:
             a, b = low_rank_bilinear(q, k, rank)
-        self.reset_parameters(seed=seed, generator=generator)
-        for theta, proj in ((self.theta_q, a), (self.theta_k, b)):
-            if theta is None:
-                continue
-            factors = monomial_factors(proj, self.degree).to(theta)  # (p, D, n)
-            theta.mul_(spare_scale)
-            theta[0, :, :, : factors.shape[-1]] = factors
+        # spare entries: the init's own draw, scaled ("monomial" uses the sketch draw there)
+        init, self.init = self.init, "sketch" if self.init == "monomial" else self.init
+        try:
+            self.reset_parameters(seed=seed, generator=generator)
+        finally:
+            self.init = init
+        self._place_monomials(a, b, spare_scale)
         return self
 
     def _sketch(self, x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
