@@ -101,7 +101,9 @@ def main(argv=None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     train_config.out_dir = str(runs)
-    key = {"model": asdict(model_config), "train": asdict(train_config), "corpus": corpus.source}
+    train_key = {k: v for k, v in asdict(train_config).items() if k != "out_dir"}
+    # the output folder does not change a result: runs copied between folders are reused
+    key = {"model": asdict(model_config), "train": train_key, "corpus": corpus.source}
     results = {}
     for label in labels:  # one at a time, saved as it finishes (--reuse skips finished ones)
         path = runs / f"{label.replace('/', '_')}.json"
