@@ -98,3 +98,25 @@ def test_learned_sketch_starts_with_attention_switched_on():
     norms = grad_norms(model, x, torch.randint(0, 64, (2, 32)))
     assert set(norms) == {"feature_map", "attn_proj", "qk_norm", "other"}
     assert all(v > 0 for v in norms.values())
+
+
+def test_normalizer_sign_stats_flags_signed_scores_only():
+    """Squared sketch scores never give a negative normalizer; LLoPS's signed sketch draw at
+    p = 4 does in a fresh model, and its monomial start does not."""
+    from polysketch.eval.quality_diagnosis import normalizer_sign_stats
+
+    x = torch.randint(0, 64, (2, 32))
+    torch.manual_seed(0)
+    (sq,) = normalizer_sign_stats(_model("polysketch", n_layer=1), x)
+    assert sq["negative_scores"] == 0.0 and sq["negative_normalizers"] == 0.0
+    assert sq["median_kept"] == 1.0 and sq["cancelled_rows"] == 0.0
+    maps = {"num_features": 64, "degree": 4}
+    torch.manual_seed(0)
+    (signed,) = normalizer_sign_stats(_model("llops", n_layer=1, map_kwargs=maps), x)
+    assert signed["negative_scores"] > 0.2 and signed["negative_normalizers"] > 0.1
+    assert signed["median_kept"] < 0.9
+    torch.manual_seed(0)
+    mono = _model("llops", n_layer=1, map_kwargs={**maps, "init": "monomial"})
+    (start,) = normalizer_sign_stats(mono, x)
+    assert start["negative_normalizers"] == 0.0 and start["median_kept"] > 0.99
+    assert normalizer_sign_stats(_model("softmax", n_layer=1), x) == []

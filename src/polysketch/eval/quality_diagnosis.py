@@ -26,6 +26,9 @@ the prefix — a limit no amount of training removes (scaling q or k scales both
   costs, with no training dynamics involved.
 * ``learned_sketch_stats`` / ``grad_norms``: the learned sketch's scale before squaring, its
   tanh saturation, the normalizer share of the offset 1 and gradient norms per module.
+* ``normalizer_sign_stats``: for maps with signed scores (``llops`` without ``square``), the
+  share of negative scores and normalizers and how much of Σ|s| cancels in Σ s. A row whose
+  normalizer offset + Σ_j s_ij is near zero divides its output by almost nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ __all__ = [
     "sketch_core",
     "debiased_core",
     "learned_sketch_stats",
+    "normalizer_sign_stats",
     "grad_norms",
 ]
 
@@ -342,6 +346,44 @@ def learned_sketch_stats(model: nn.Module, idx: torch.Tensor) -> list[dict]:
                 "phi_rms": float(phi.pow(2).mean().sqrt()),
                 "mean_score": float(s.sum() / (t * (t + 1) / 2 * s.shape[0] * s.shape[1])),
                 "offset_share": float((off / (off + s.sum(-1))).mean()),
+            }
+        )
+    return rows
+
+
+@torch.no_grad()
+def normalizer_sign_stats(
+    model: nn.Module, idx: torch.Tensor, *, cancel: float = 0.1
+) -> list[dict]:
+    """Per feature-map layer, over the causal scores s_ij = φq(q_i)·φk(k_j) (squared when the
+    map is ``square``) of ``idx``'s sequences: median |s|, the share of negative scores, the
+    share of rows whose normalizer ``offset + Σ_{j≤i} s_ij`` is negative, the median of
+    ``|offset + Σ s| / (offset + Σ |s|)`` (1: no cancellation) and the share of rows where
+    that ratio is below ``cancel``."""
+    rows = []
+    for layer, (q, k, _) in enumerate(capture_qkv(model, idx)):
+        attn = attention_layers(model)[layer]
+        fm = attn.feature_map
+        if fm is None:
+            continue
+        s = fm.query(q) @ fm.key(k).transpose(-1, -2)
+        if fm.square:
+            s = s.square()
+        t = s.shape[-1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, 0.0)
+        off = attn.denominator_offset
+        den = off + s.sum(-1)
+        kept = den.abs() / (off + s.abs().sum(-1)).clamp_min(torch.finfo(s.dtype).tiny)
+        scores = s[..., causal]
+        rows.append(
+            {
+                "layer": layer,
+                "median_abs_score": float(scores.abs().median()),
+                "negative_scores": float((scores < 0).double().mean()),
+                "negative_normalizers": float((den < 0).double().mean()),
+                "median_kept": float(kept.median()),
+                "cancelled_rows": float((kept < cancel).double().mean()),
             }
         )
     return rows
