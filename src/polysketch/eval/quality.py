@@ -54,7 +54,8 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
     our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
     which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
     normalizer offset 0 (its scores were ~1e-4 at torch's default init, so the 1 of 1 + Σ
-    owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start;
+    owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start, and
+with both r = 64 and the warm start;
     and, as a reference rather than a remedy, exact degree-2 polynomial attention
     (``polynomial_degree2``): what a lower exact degree alone costs in the same
     configuration."""
@@ -68,6 +69,7 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
         "psf_mixed_unbiased_scale": ("psf_mixed", {"output_scale": 1.0}, {}),
         "psf_learned_offset0": ("psf_learned", {"denominator_offset": 0.0}, {}),
         "psf_random_product+warm": ("psf_random", {"projection": "product"}, warm),
+        "psf_random_r64+warm": ("psf_random", {"num_features": 64}, warm),
         "polynomial_degree2": ("polynomial", {"degree": 2}, {}),
     }
 
