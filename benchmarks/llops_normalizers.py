@@ -19,7 +19,7 @@ import torch
 
 from polysketch.eval import mqar_sweep
 from polysketch.eval.quality_diagnosis import normalizer_sign_stats
-from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn import TransformerLM
 
 
 def main(argv=None) -> int:
@@ -39,13 +39,10 @@ def main(argv=None) -> int:
     if args.steps == 0:
         torch.manual_seed(0)
         model = TransformerLM(
-            TransformerConfig(
-                vocab_size=data.vocab_size, block_size=settings["seq_len"],
-                n_layer=settings["n_layer"], n_head=settings["n_head"],
-                n_embd=settings["n_embd"], attention=name, map_kwargs=map_kwargs,
-                **{"chunk_size": 64, "short_conv": settings["short_conv"], **model_options},
+            mqar_sweep.model_config_for(
+                name, data, settings=settings, model_options=model_options, map_kwargs=map_kwargs
             )
-        )  # fmt: skip
+        )
         note = "freshly built"
     else:
         history = mqar_sweep.train_one(

@@ -49,6 +49,7 @@ __all__ = [
     "parse_attention",
     "best_rows",
     "make_data",
+    "model_config_for",
     "train_one",
     "run_sweep",
     "write_csv",
@@ -212,6 +213,35 @@ def make_data(settings: dict, *, seed: int = 0) -> MQARData:
     )
 
 
+def model_config_for(
+    attention: str,
+    data: MQARData,
+    *,
+    settings: dict,
+    model_options: dict | None = None,
+    map_kwargs: dict | None = None,
+    seed: int = 0,
+) -> TransformerConfig:
+    """The ``TransformerConfig`` the sweep trains for ``attention`` on ``data`` (``settings``:
+    ``FULL``'s keys; ``model_options`` override them, e.g. qk_dim)."""
+    seq_len = data.train_inputs.shape[1]
+    return TransformerConfig(
+        vocab_size=data.vocab_size,
+        block_size=seq_len,
+        n_layer=settings["n_layer"],
+        n_head=settings["n_head"],
+        n_embd=settings["n_embd"],
+        attention=attention,
+        map_kwargs=dict(map_kwargs or {}),
+        **{
+            "chunk_size": min(64, seq_len),
+            "short_conv": settings["short_conv"],
+            **(model_options or {}),
+        },
+        seed=seed,
+    )
+
+
 def train_one(
     attention: str,
     data: MQARData,
@@ -231,21 +261,10 @@ def train_one(
     ``model_options``: ``TransformerConfig`` fields that override them (qk_dim, ...).
     """
     seq_len = data.train_inputs.shape[1]
-    model_config = TransformerConfig(
-        vocab_size=data.vocab_size,
-        block_size=seq_len,
-        n_layer=settings["n_layer"],
-        n_head=settings["n_head"],
-        n_embd=settings["n_embd"],
-        attention=attention,
-        map_kwargs=dict(map_kwargs or {}),
-        **{
-            "chunk_size": min(64, seq_len),
-            "short_conv": settings["short_conv"],
-            **(model_options or {}),
-        },
-        seed=seed,
-    )
+    model_config = model_config_for(
+        attention, data, settings=settings, model_options=model_options,
+        map_kwargs=map_kwargs, seed=seed,
+    )  # fmt: skip
     train_config = TrainConfig(
         steps=settings["steps"],
         batch_size=settings["batch_size"],

@@ -48,17 +48,17 @@ def default_attentions() -> dict[str, tuple[str, dict]]:
 
 def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple]:
     """The remedies of issue #10 (``docs/quality_gap.md``), label -> (attention, map_kwargs,
-    train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
-    ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
-    (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
-    our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
-    which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
-    normalizer offset 0 (its scores were ~1e-4 at torch's default init, so the 1 of 1 + Σ
-    owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start, and
-with both r = 64 and the warm start;
-    and, as a reference rather than a remedy, exact degree-2 polynomial attention
-    (``polynomial_degree2``): what a lower exact degree alone costs in the same
-    configuration."""
+        train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
+        ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
+        (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
+        our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
+        which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
+        normalizer offset 0 (its scores were ~1e-4 at torch's default init, so the 1 of 1 + Σ
+        owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start, and
+    with both r = 64 and the warm start;
+        and, as a reference rather than a remedy, exact degree-2 polynomial attention
+        (``polynomial_degree2``): what a lower exact degree alone costs in the same
+        configuration."""
     warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
     return {
         "psf_mixed": ("psf_mixed", {}, {}),

@@ -251,6 +251,16 @@ class LLoPS(FeatureMap):
     ) -> LLoPS:
         """Redraw Θ as ``init`` says (see the class docstring); returns ``self``."""
         gen = make_generator(seed, generator)
+        self._draw(gen)
+        if self.init == "monomial":
+            s = largest_rank(self.num_features, self.degree, self.dim)
+            a = orthogonal_gaussian(s, self.dim, generator=gen).T / s**0.5  # (D, s)
+            self._place_monomials(a, a, _SPARE_SCALE)
+        return self
+
+    @torch.no_grad()
+    def _draw(self, gen: torch.Generator) -> None:
+        """Θ_{j,r} i.i.d. N(0, (F·t)^{-1/p}); Θ^K = Θ^Q except at ``init="random"``."""
         shape = tuple(self.theta_q.shape)
         std = (self.num_features * self.rank) ** (-0.5 / self.degree)
         draw_q = gaussian(*shape, generator=gen) * std
@@ -258,11 +268,6 @@ class LLoPS(FeatureMap):
         if self.theta_k is not None:
             draw_k = draw_q if self.init != "random" else gaussian(*shape, generator=gen) * std
             self.theta_k.copy_(draw_k)
-        if self.init == "monomial":
-            s = largest_rank(self.num_features, self.degree, self.dim)
-            a = orthogonal_gaussian(s, self.dim, generator=gen).T / s**0.5  # (D, s)
-            self._place_monomials(a, a, _SPARE_SCALE)
-        return self
 
     @torch.no_grad()
     def _place_monomials(self, a: torch.Tensor, b: torch.Tensor, spare_scale: float) -> None:
@@ -333,12 +338,7 @@ class LLoPS(FeatureMap):
             a = b = principal_directions(torch.cat([q, k.to(q.dtype)]), rank)
         else:
             a, b = low_rank_bilinear(q, k, rank)
-        # spare entries: the init's own draw, scaled ("monomial" uses the sketch draw there)
-        init, self.init = self.init, "sketch" if self.init == "monomial" else self.init
-        try:
-            self.reset_parameters(seed=seed, generator=generator)
-        finally:
-            self.init = init
+        self._draw(make_generator(seed, generator))  # spare entries: the Gaussian draw, scaled
         self._place_monomials(a, b, spare_scale)
         return self
 
