@@ -154,6 +154,51 @@ def test_optimal_curve_matches_pointwise(qk):
         assert row["relative"] == pytest.approx(ref.relative, rel=1e-12)
 
 
+# ----- the fitted (out-of-sample) optimum ----------------------------------------------------
+def _lift(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """vec(x^{⊗p}) by explicit Kronecker products: (N, D) -> (N, D^p)."""
+    out = x
+    for _ in range(degree - 1):
+        out = torch.einsum("na,nb->nab", out, x).reshape(x.shape[0], -1)
+    return out
+
+
+@pytest.mark.parametrize("degree,rank", [(2, 5), (3, 12)])
+def test_fitted_optimum_in_sample_is_truncated_svd(qk, degree, rank):
+    q, k = qk
+    approx = fid.fitted_optimum(q, k, q, k, degree=degree, rank=rank)
+    best = fid.optimal_rank_approximation(fid.polynomial_target(q, k, degree), rank)
+    assert rel_err(approx, best) < 1e-8
+
+
+def test_fitted_optimum_out_of_sample_matches_explicit_lift(qk):
+    """Against Eq. 7–8 computed literally: ψ_2 formed explicitly, W_Q, W_K by the rank-m
+    Eckart–Young of the lifted fitting samples (``low_rank_bilinear``), applied to new q/k."""
+    from polysketch.features.llops_init import low_rank_bilinear
+
+    q_fit, k_fit = qk
+    q, k = load_qk("gaussian", dim=6, num=30, seed=11)
+    approx = fid.fitted_optimum(q_fit, k_fit, q, k, degree=2, rank=7)
+    w_q, w_k = low_rank_bilinear(_lift(q_fit, 2), _lift(k_fit, 2), 7)
+    literal = (_lift(q, 2) @ w_q) @ (_lift(k, 2) @ w_k).T
+    assert rel_err(approx, literal) < 1e-8
+    # full rank (dim Sym²(R^6) = 21) fitted on 40 > 21 samples: exact on unseen vectors
+    full = fid.fitted_optimum(q_fit, k_fit, q, k, degree=2, rank=21)
+    assert rel_err(full, fid.polynomial_target(q, k, 2)) < 1e-8
+    # rank 7 of 21 is not exact out of sample, and not better than the in-sample optimum
+    exact = fid.polynomial_target(q, k, 2)
+    in_sample = fid.optimal_rank_error(q, k, 2, 7).relative
+    assert fid.relative_frobenius_error(approx, exact) >= in_sample
+
+
+def test_fitted_optimum_bad_input(qk):
+    q, k = qk
+    with pytest.raises(ValueError, match="k_fit"):
+        fid.fitted_optimum(q, k[:, :5], q, k, degree=2, rank=3)
+    with pytest.raises(ValueError, match="rank"):
+        fid.fitted_optimum(q, k, q, k, degree=2, rank=0)
+
+
 # ----- evaluate_map ------------------------------------------------------------------------
 def test_exact_map_zero_error_and_nan_ratio(qk):
     q, k = qk

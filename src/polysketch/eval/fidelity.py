@@ -39,6 +39,7 @@ from ..random import fresh_seed, make_generator
 from .optimal_rank import (
     OptimalError,
     check_qk,
+    fitted_optimum,
     optimal_curve,
     optimal_rank_approximation,
     optimal_rank_error,
@@ -57,6 +58,7 @@ __all__ = [
     "optimal_rank_error_of",
     "optimal_rank_error",
     "optimal_curve",
+    "fitted_optimum",
     "evaluate_map",
     "sweep",
 ]

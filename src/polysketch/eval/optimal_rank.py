@@ -4,6 +4,12 @@ LLoPS Thm 3.1 / Eq. 7: any m-dimensional feature map gives rank(φq φkᵀ) ≤ 
 state size m beats ``min_{rank ≤ m} ‖A − E‖_F = sqrt(Σ_{i>m} σ_i²)``, σ_i the singular values
 of the exact kernel matrix E, reached by the truncated SVD ``U Σ_m Vᵀ``. Used by
 ``polysketch.eval.fidelity`` (which re-exports these names).
+
+That bound is in-sample: the SVD sees the very matrix it approximates. ``fitted_optimum`` is
+its out-of-sample counterpart, what a map can actually be fitted to do: Eq. 8's optimal linear
+maps of ψ_p(x) = vec(x^{⊗p}), chosen by Eq. 7 on *fitting* samples, then applied to other
+queries and keys. It bounds every map that is (or approximates) a linear map of ψ_p fitted by
+Eq. 6 on the same samples, LLoPS included (Thm 3.1: LLoPS is a CP-factored linear map of ψ_p).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ __all__ = [
     "optimal_rank_error_of",
     "optimal_rank_error",
     "optimal_curve",
+    "fitted_optimum",
 ]
 
 
@@ -116,3 +123,55 @@ def optimal_curve(
                 }
             )
     return rows
+
+
+def fitted_optimum(
+    q_fit: torch.Tensor,
+    k_fit: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    degree: int,
+    rank: int,
+    rcond: float = 1e-12,
+) -> torch.Tensor:
+    """ψ_p(Q) W_Q* (ψ_p(K) W_K*)ᵀ: Eq. 8's rank-m linear maps fitted on (q_fit, k_fit) by Eq. 7.
+
+    With X = ψ_p(Q_fit), Y = ψ_p(K_fit) and A = X Yᵀ = (Q_fit K_fitᵀ)^{∘p}, the pair
+    (W_Q, W_K) minimising ‖X W_Q W_Kᵀ Yᵀ − A‖_F over rank m (minimum norm) is, with the thin
+    SVDs X = U_x S_x V_xᵀ, Y = U_y S_y V_yᵀ and U_xᵀ A U_y = W Σ Zᵀ,
+    W_Q = V_x S_x⁻¹ W_m Σ_m^{1/2}, W_K = V_y S_y⁻¹ Z_m Σ_m^{1/2}
+    (``features.llops_init.low_rank_bilinear`` on ψ_p). ψ_p never has to be formed: with the
+    Gram matrix X Xᵀ = (Q_fit Q_fitᵀ)^{∘p} = U_x S_x² U_xᵀ, V_x = Xᵀ U_x S_x⁻¹, so
+    ψ_p(q) W_Q = (q Q_fitᵀ)^{∘p} U_x S_x⁻² W_m Σ_m^{1/2} (and the same for keys): any p, any
+    D, cost O(N² (D + N)) for N fitting samples. Eigenvalues of the Gram matrices below
+    ``rcond`` × the largest are dropped (the lifted samples' numerical rank).
+
+    Shapes: q_fit (N, D), k_fit (M, D), q (Nq, D), k (Nk, D) (leading dims flattened) ->
+    (Nq, Nk), float64. When (q, k) = (q_fit, k_fit) this is the truncated SVD of A
+    (``optimal_rank_approximation``).
+    """
+    degree = check_positive_int(degree, "degree")
+    rank = check_positive_int(rank, "rank")
+    q_fit = check_tensor(q_fit, "q_fit", min_dim=1)
+    dim = q_fit.shape[-1]
+    k_fit = check_tensor(k_fit, "k_fit", min_dim=1, last_dim=dim)
+    q = check_tensor(q, "q", min_dim=1, last_dim=dim)
+    k = check_tensor(k, "k", min_dim=1, last_dim=dim)
+    q_fit, k_fit, q, k = (x.reshape(-1, dim).to(torch.float64) for x in (q_fit, k_fit, q, k))
+
+    def gram_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """U_x and S_x² of X = ψ_p(x), from the Gram matrix (x xᵀ)^{∘p}."""
+        evals, evecs = torch.linalg.eigh((x @ x.T) ** degree)
+        keep = evals > evals.max().clamp_min(0.0) * rcond
+        return evecs[:, keep], evals[keep]
+
+    u_x, s2_x = gram_basis(q_fit)
+    u_y, s2_y = gram_basis(k_fit)
+    core = u_x.T @ (q_fit @ k_fit.T) ** degree @ u_y
+    w, sigma, zh = torch.linalg.svd(core, full_matrices=False)
+    m = min(rank, sigma.shape[0])
+    root = sigma[:m].sqrt()
+    coef_q = (u_x / s2_x) @ w[:, :m] * root  # (N, m)
+    coef_k = (u_y / s2_y) @ zh[:m].T * root  # (M, m)
+    return ((q @ q_fit.T) ** degree @ coef_q) @ ((k @ k_fit.T) ** degree @ coef_k).T
