@@ -4,11 +4,12 @@ see ``polysketch.eval.llops_table3``.
 
 Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 2000]
        [--degrees 2 3] [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--threads N]
-       [--quick]
+       [--quick] [--reuse-captures]
 
 Each (layer, head) is measured by ``polysketch approx --source TEST --fit-source FIT`` on the
 captured files (kept in ``OUT/qk/``, so any other map can be measured on them later). Writes
-``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. The defaults (README's run)
+``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. ``--reuse-captures`` skips the
+training and measures the files already in ``OUT/qk``. The defaults (README's run)
 took 52 minutes of wall time on one CPU core while another job used the other (two models of
 about 10 minutes each, then 12 ``approx`` runs of about 80 s); ``--quick`` is a seconds-long
 smoke run.
@@ -37,6 +38,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    parser.add_argument(
+        "--reuse-captures",
+        action="store_true",
+        help="measure the q/k files an earlier run left in OUT/qk (no training)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
         args.feature_dims, args.fit_steps, args.num, args.trials = [8], 5, 32, 1
     run(args.out, degrees=args.degrees, settings=settings, lr=args.lr,
         feature_dims=args.feature_dims, fit_steps=args.fit_steps, num=args.num,
-        trials=args.trials, seed=args.seed)  # fmt: skip
+        trials=args.trials, seed=args.seed, reuse_captures=args.reuse_captures)  # fmt: skip
     return 0
 
 

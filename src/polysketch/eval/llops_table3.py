@@ -31,6 +31,7 @@ handles them.
 from __future__ import annotations
 
 import csv
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,10 +40,23 @@ import torch
 
 from .._checks import check_positive_int
 from .capture import capture_qk
+from .data_sources import load_qk
+from .fidelity import relative_frobenius_error, rmae
 from .mqar_sweep import LLOPS, make_data, train_one
+from .optimal_rank import fitted_optimum, optimal_rank_error_of
 from .plots import save_png, subplots
 
-__all__ = ["SETTINGS", "MAP_NAMES", "train_exact", "capture_files", "measure", "summarize", "run"]
+__all__ = [
+    "SETTINGS",
+    "MAP_NAMES",
+    "train_exact",
+    "capture_files",
+    "measure",
+    "eq7_fitted",
+    "captured_files",
+    "summarize",
+    "run",
+]
 
 SETTINGS = {**LLOPS, "n_layer": 3, "steps": 2000}
 """MQAR model and task: LLoPS Table 4's model (d_model 128, 2 heads of 64, short convolution)
@@ -96,10 +110,28 @@ def capture_files(
     return files
 
 
+def captured_files(folder: Path, *, degree: int) -> list[tuple[int, int, Path, Path]]:
+    """The (layer, head, test file, fit file) tuples ``capture_files`` wrote into ``folder``
+    for ``degree``, in (layer, head) order; an error if there are none."""
+    found = []
+    for test in folder.glob(f"qk_p{degree}_layer*_head*_test.pt"):
+        layer, head = map(
+            int, re.fullmatch(r"qk_p\d+_layer(\d+)_head(\d+)_test", test.stem).groups()
+        )
+        fit = test.with_name(test.name.replace("_test.pt", "_fit.pt"))
+        if not fit.is_file():
+            raise FileNotFoundError(f"{test} has no fitting file {fit.name} beside it")
+        found.append((layer, head, test, fit))
+    if not found:
+        raise FileNotFoundError(f"no captured q/k for p = {degree} in {folder}")
+    return sorted(found)
+
+
 MAP_NAMES = {
     "polysketch": "PSF (polysketch)",
     "llops_start": "LLoPS (llops, data start only)",
     "llops": "LLoPS (llops, data start + Adam on Eq. 6)",
+    "eq7_fitted": "Eq. 7 optimum fitted on the same samples (bound for Eq. 6 fits)",
 }
 """Table labels of the rows' ``map`` keys."""
 
@@ -125,20 +157,55 @@ def measure(
     num: int,
     trials: int,
     seed: int = 0,
+    fit_num: int = 2048,
 ) -> list[dict]:
     """``polysketch approx`` on one file pair: the PSF sketch and LLoPS fitted on ``fit``
     (closed-form data start + ``fit_steps`` Adam steps), then LLoPS at the data start alone
     (``--fit-steps 0 --fit-init data``, rows relabelled ``llops_start``); returns the
-    ``results.csv`` rows of both runs."""
+    ``results.csv`` rows of both runs and one ``eq7_fitted`` row per F (``eq7_fitted``)."""
     common = [
         "approx", "--source", str(test), "--fit-source", str(fit), "--degrees", str(degree),
         "--feature-dims", *map(str, feature_dims), "--target", "polynomial",
         "--num", str(num), "--trials", str(trials), "--seed", str(seed),
+        "--fit-num", str(fit_num),
     ]  # fmt: skip
     rows = _approx([*common, "--maps", "polysketch", "llops", "--fit-steps", str(fit_steps)], out)
     start = _approx([*common, "--maps", "llops", "--fit-steps", "0", "--fit-init", "data"],
                     out / "data_start")  # fmt: skip
-    return rows + [{**r, "map": "llops_start"} for r in start]
+    rows += [{**r, "map": "llops_start"} for r in start]
+    return rows + eq7_fitted(test, fit, degree=degree, feature_dims=feature_dims, num=num,
+                             seed=seed, fit_num=fit_num)  # fmt: skip
+
+
+def eq7_fitted(
+    test: Path,
+    fit: Path,
+    *,
+    degree: int,
+    feature_dims: Sequence[int],
+    num: int,
+    seed: int,
+    fit_num: int = 2048,
+) -> list[dict]:
+    """Rows (``results.csv`` keys) of the best any Eq. 6 fit can do on this file pair.
+
+    ``fitted_optimum``: Eq. 8's optimal linear maps of ψ_p (Thm 3.1 — LLoPS is a CP-factored
+    one), chosen by Eq. 7 on the same fitting samples ``approx --fit-source`` draws, measured
+    on the same test samples (``load_qk`` with ``approx``'s seeds), as RMAE (Eq. 21, the same
+    denominator floor) and relative Frobenius error. A fitted LLoPS map of F features cannot
+    beat it on the fitting samples; on the test samples it is the reference a map fitted by
+    Eq. 6 is expected to reach at best.
+    """
+    q, k = load_qk(str(test), dim=None, num=num, seed=seed)
+    q_fit, k_fit = load_qk(str(fit), dim=q.shape[-1], num=fit_num, seed=seed + 1)
+    exact = (q @ k.T) ** degree
+    rows = []
+    for f in feature_dims:
+        approx = fitted_optimum(q_fit, k_fit, q, k, degree=degree, rank=f)
+        rows.append({"map": "eq7_fitted", "num_features": f, "rmae_mean": rmae(approx, exact),
+                     "rel_frobenius_mean": relative_frobenius_error(approx, exact),
+                     "optimal_rel": optimal_rank_error_of(exact, f).relative})  # fmt: skip
+    return rows
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
@@ -197,19 +264,27 @@ def run(
     num: int = 512,
     trials: int = 3,
     seed: int = 0,
+    reuse_captures: bool = False,
     log=print,
 ) -> list[dict]:
     """Train, capture, measure and write ``table3.{csv,md,png}`` into ``out``; returns the
-    per-(p, map, F, layer, head) rows."""
+    per-(p, map, F, layer, head) rows. ``reuse_captures``: skip training and capturing and
+    measure the files an earlier run left in ``out/qk`` (``captured_files``)."""
     out = Path(out)
     s = {**SETTINGS, **(settings or {})}
     rows, meta = [], []
     for p in degrees:
-        t0 = time.perf_counter()
-        model, data, val = train_exact(p, settings=s, lr=lr, seed=seed)
-        meta.append(f"p = {p}: recall {val['accuracy']:.3f} ({time.perf_counter() - t0:.0f} s)")
-        log(f"trained exact degree-{p} model: recall accuracy {val['accuracy']:.3f}")
-        for layer, head, test, fit in capture_files(model, data, out / "qk", degree=p):
+        if reuse_captures:
+            files = captured_files(out / "qk", degree=p)
+            meta.append(f"p = {p}: q/k reused from {out / 'qk'}")
+        else:
+            t0 = time.perf_counter()
+            model, data, val = train_exact(p, settings=s, lr=lr, seed=seed)
+            seconds = time.perf_counter() - t0
+            meta.append(f"p = {p}: recall {val['accuracy']:.3f} ({seconds:.0f} s)")
+            log(f"trained exact degree-{p} model: recall accuracy {val['accuracy']:.3f}")
+            files = capture_files(model, data, out / "qk", degree=p)
+        for layer, head, test, fit in files:
             measured = measure(test, fit, out / "approx" / test.stem, degree=p,
                                feature_dims=feature_dims, fit_steps=fit_steps, num=num,
                                trials=trials, seed=seed)  # fmt: skip
