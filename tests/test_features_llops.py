@@ -66,10 +66,11 @@ def test_random_init_is_not_the_sketch():
 
 
 # ----- fit minimises Eq. 6 and lowers the RMAE (Eq. 21) ----------------------------------------
-@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("square", [False, True, "elementwise"])
 def test_fit_lowers_rmae(square):
     q, k = _positive_lowrank(128, 12, seed=1), _positive_lowrank(128, 12, seed=2)
-    fmap = LLoPS(12, degree=2, num_features=12, square=square, seed=0).double()
+    options = {"elementwise_square": True} if square == "elementwise" else {"square": square}
+    fmap = LLoPS(12, degree=2, num_features=12, seed=0, **options).double()
     before = _rmae(fmap, q, k)
     history = fmap.fit(q, k, steps=60, lr=2e-2, batch=64, init="current", seed=0, progress=False)
     after = _rmae(fmap, q, k)
@@ -214,6 +215,31 @@ def test_shared_and_square_options():
     assert rel_err(square.approx_kernel(x, y), plain.approx_kernel(x, y) ** 2) < 1e-14
     assert bool((square.approx_kernel(x, y) >= 0).all())
     assert bool((plain.approx_kernel(x, y) < 0).any())
+
+
+def test_elementwise_square_option():
+    """§3.2's non-negative form (∏_j xΘ_j)^{*2}: each feature squared, F state features."""
+    plain = LLoPS(6, degree=2, num_features=5, seed=0, init="random").double().requires_grad_(False)
+    ew = LLoPS(6, degree=2, num_features=5, seed=0, init="random", elementwise_square=True)
+    ew = ew.double().requires_grad_(False)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    assert torch.equal(ew.theta_q, plain.theta_q)
+    assert rel_err(ew.query(x), plain.query(x) ** 2) < 1e-15
+    assert rel_err(ew.key(y), plain.key(y) ** 2) < 1e-15
+    assert ew.nonnegative and not ew.square and ew.state_dim == 5 and ew.target_degree == 4
+    assert rel_err(ew.target_kernel(x, y), (x @ y.T) ** 4) < 1e-15
+    assert bool((ew.approx_kernel(x, y) >= 0).all())
+    assert "elementwise_square=True" in repr(ew)
+    with pytest.raises(ValueError, match="square and elementwise_square"):
+        LLoPS(6, square=True, elementwise_square=True)
+    with pytest.raises(TypeError, match="elementwise_square"):
+        LLoPS(6, elementwise_square=1)
+    with pytest.raises(ValueError, match="monomial"):
+        LLoPS(6, elementwise_square=True, init="monomial")
+    with pytest.raises(ValueError, match="elementwise_square"):
+        ew.init_from_data_(x, y)
+    with pytest.raises(ValueError, match="elementwise_square"):
+        ew.fit(x, y, steps=1)  # init="data" is the closed-form start
 
 
 def test_state_dict_roundtrip_and_seeds():

@@ -180,15 +180,21 @@ class LLoPS(FeatureMap):
 
     ``target_kernel`` is the polynomial kernel the map is trained to imitate:
     ``(x·y)^p``, or ``(x·y)^{2p}`` when ``square`` (scores ``(φQ·φK)²``: the self-tensoring
-    of PolySketchFormer §2.1 that the LLoPS paper adopts for non-negativity, §3.2; effective
-    features φ⊗φ, never materialised). ``kind`` is "learned": φ approximates, it is not an
-    estimator, except at ``init="sketch"`` without ``square`` where it is an unbiased random
-    sketch.
+    of PolySketchFormer §2.1; effective features φ⊗φ, never materialised) or
+    ``elementwise_square`` (features ``(∏_j xΘ_j)^{*2}``, §3.2's formula for a non-negative
+    LLoPS: each of the F features squared, so the state keeps F features). ``kind`` is
+    "learned": φ approximates, it is not an estimator, except at ``init="sketch"`` without
+    either square, where it is an unbiased random sketch.
 
     Args:
         dim: D, the input dimension.
         degree: p ≥ 1. num_features: F ≥ 1 (default 2·D). rank: t ≥ 1 (paper: t = 1).
-        square: score ``(φQ·φK)²`` (non-negative; target degree 2p).
+        square: score ``(φQ·φK)²`` (non-negative; target degree 2p; F² state features).
+        elementwise_square: features ``φ_f(x)²`` (§3.2: "apply another square to the feature
+            map, φQ(Q) = (∏_j QΘ_j)^{*2}", *p being the element-wise power of Eq. 6): scores
+            ``Σ_f φ_f(q)² φ_f(k)² ≥ 0``, target degree 2p, F state features. Not with
+            ``square``; there is no closed-form start for it (``init="monomial"`` and
+            ``init_from_data_`` refuse it; ``fit(init="current")`` trains it).
         shared: one set of factors for queries and keys (φQ = φK).
         init: ``"sketch"``: Θ_{j,r} i.i.d. N(0, (F·t)^{-1/p}) entries, the same draw for Q
             and K — a Gaussian product sketch with ``E[φQ(x)·φK(y)] = (x·y)^p``, since
@@ -221,12 +227,20 @@ class LLoPS(FeatureMap):
         num_features: int | None = None,
         rank: int = 1,
         square: bool = False,
+        elementwise_square: bool = False,
         shared: bool = False,
         init: str = "sketch",
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        super().__init__(dim, square=square, nonnegative=bool(square))
+        if not isinstance(elementwise_square, bool):
+            raise TypeError(
+                f"elementwise_square must be a bool, got {type(elementwise_square).__name__}"
+            )
+        if elementwise_square and square:
+            raise ValueError("square and elementwise_square are two different squarings; pick one")
+        super().__init__(dim, square=square, nonnegative=bool(square) or elementwise_square)
+        self.elementwise_square = elementwise_square
         self.degree = check_positive_int(degree, "degree")
         if num_features is None:
             num_features = 2 * self.dim
@@ -236,6 +250,11 @@ class LLoPS(FeatureMap):
             raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
         self.shared = shared
         self.init = check_choice(init, "init", ("sketch", "random", "monomial"))
+        if elementwise_square and self.init == "monomial":
+            raise ValueError(
+                'init="monomial" builds (Aᵀx·Aᵀy)^p, which elementwise_square=True does not '
+                'keep; use init="sketch" or "random"'
+            )
         shape = (self.rank, self.degree, self.dim, self.num_features)
         self.theta_q = nn.Parameter(torch.zeros(shape))
         self.theta_k = None if shared else nn.Parameter(torch.zeros(shape))
@@ -331,6 +350,11 @@ class LLoPS(FeatureMap):
 
         Shapes: q (..., D), k (..., D) (leading dims flattened). Returns ``self``.
         """
+        if self.elementwise_square:
+            raise ValueError(
+                "init_from_data_: the monomial start is exact for the plain and squared maps, "
+                "not for elementwise_square=True; fit it with fit(init='current')"
+            )
         spare_scale = check_float(spare_scale, "spare_scale", minimum=0.0)
         rank = largest_rank(self.num_features, self.degree, self.dim)
         q, k = _flat_finite(q, "q", self.dim), _flat_finite(k, "k", self.dim)
@@ -343,7 +367,8 @@ class LLoPS(FeatureMap):
         return self
 
     def _sketch(self, x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-        """Eq. 15: Σ_r ∏_j x Θ_{j,r}, (..., D) -> (..., F); one matmul for all (r, j)."""
+        """Eq. 15: Σ_r ∏_j x Θ_{j,r} (squared when ``elementwise_square``), (..., D) -> (..., F);
+        one matmul for all (r, j)."""
         w = rearrange(theta.to(x.dtype), "r j d f -> d (r j f)")
         z = rearrange(x @ w, "... (r j f) -> ... r j f", r=self.rank, j=self.degree)
         # unbind, not z[..., j, :]: each select's backward would fill a zero tensor of z's
@@ -352,7 +377,8 @@ class LLoPS(FeatureMap):
         out = first
         for factor in rest:  # p is small; a chain of products, no zero checks
             out = out * factor
-        return out.sum(dim=-2)
+        out = out.sum(dim=-2)
+        return out * out if self.elementwise_square else out
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self._sketch(x, self.theta_q)
@@ -362,11 +388,11 @@ class LLoPS(FeatureMap):
 
     @property
     def target_degree(self) -> int:
-        """Degree of ``target_kernel``: p, or 2p when ``square``."""
-        return 2 * self.degree if self.square else self.degree
+        """Degree of ``target_kernel``: p, or 2p when ``square`` or ``elementwise_square``."""
+        return 2 * self.degree if self.square or self.elementwise_square else self.degree
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``(x·y)^p``, or ``(x·y)^{2p}`` when ``square``.
+        """``(x·y)^p``, or ``(x·y)^{2p}`` when ``square`` or ``elementwise_square``.
 
         Shapes: x (..., Tx, D), y (..., Ty, D) -> (..., Tx, Ty).
         """
@@ -440,4 +466,5 @@ class LLoPS(FeatureMap):
         return (
             f"{super().extra_repr()}, degree={self.degree}, rank={self.rank}, "
             f"shared={self.shared}, init={self.init!r}"
+            + (", elementwise_square=True" if self.elementwise_square else "")
         )
