@@ -48,17 +48,19 @@ def default_attentions() -> dict[str, tuple[str, dict]]:
 
 def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple]:
     """The remedies of issue #10 (``docs/quality_gap.md``), label -> (attention, map_kwargs,
-        train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
-        ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
-        (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
-        our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
-        which the far sketched scores weigh r² less than the exact local block); ``psf_learned`` with
-        normalizer offset 0 (its scores were ~1e-4 at torch's default init, so the 1 of 1 + Σ
-        owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start, and
-    with both r = 64 and the warm start;
-        and, as a reference rather than a remedy, exact degree-2 polynomial attention
-        (``polynomial_degree2``): what a lower exact degree alone costs in the same
-        configuration."""
+    train overrides): ``psf_mixed``; ``psf_random`` with a polynomial warm start of
+    ``warm_fraction·steps`` steps; with r = 64; with the public code's one-node sketch
+    (``projection="product"``); ``psf_learned`` with the same warm start; ``psf_mixed`` at
+    our former unbiased feature scale 1 (the preset now uses the public code's 1/√r, under
+    which the far sketched scores weigh r² less than the exact local block); ``psf_learned``
+    with normalizer offset 0 (its scores were ~1e-4 at torch's default init, so the 1 of 1 + Σ
+    owned the normalizer); ``psf_random`` with both the one-node sketch and the warm start, and
+    with both r = 64 (and r = 128) and the warm start; ``psf_learned`` with r = 64 and the
+    warm start; ``psf_random`` without the q/k LayerNorm (the paper's §5 model names none;
+    the public code has it), alone and with the warm start;
+    and, as a reference rather than a remedy, exact degree-2 polynomial attention
+    (``polynomial_degree2``): what a lower exact degree alone costs in the same
+    configuration."""
     warm = {"warm_start_steps": max(1, int(round(warm_fraction * steps)))}
     return {
         "psf_mixed": ("psf_mixed", {}, {}),
@@ -70,6 +72,10 @@ def remedy_attentions(steps: int, warm_fraction: float = 0.3) -> dict[str, tuple
         "psf_learned_offset0": ("psf_learned", {"denominator_offset": 0.0}, {}),
         "psf_random_product+warm": ("psf_random", {"projection": "product"}, warm),
         "psf_random_r64+warm": ("psf_random", {"num_features": 64}, warm),
+        "psf_random_r128+warm": ("psf_random", {"num_features": 128}, warm),
+        "psf_learned_r64+warm": ("psf_learned", {"num_features": 64}, warm),
+        "psf_random_no_qk_norm": ("psf_random", {}, {}, {"qk_norm": False}),
+        "psf_random_no_qk_norm+warm": ("psf_random", {}, warm, {"qk_norm": False}),
         "polynomial_degree2": ("polynomial", {"degree": 2}, {}),
     }
 
@@ -84,7 +90,9 @@ def compare(
     log=print,
 ) -> dict[str, dict]:
     """Train ``replace(model_config, attention=a, map_kwargs=kw)`` for each label -> (a, kw)
-    or (a, kw, train_overrides) (fields of ``TrainConfig``, e.g. ``warm_start_steps``).
+    or (a, kw, train_overrides) (fields of ``TrainConfig``, e.g. ``warm_start_steps``) or
+    (a, kw, train_overrides, model_overrides) (fields of ``TransformerConfig``, e.g.
+    ``qk_norm``).
 
     Returns label -> {"history": train rows, "val": val rows, "params", "train_s",
     "attention", "map_kwargs"}. ``train_config.out_dir`` (if set) gets one subfolder per label.
@@ -94,8 +102,10 @@ def compare(
         raise ValueError(f"attentions: unknown {unknown}; choose from {valid_attentions()}")
     results = {}
     for label, (attention, map_kwargs, *extra) in attentions.items():
+        train_overrides, model_overrides = (*extra, {}, {})[:2]
         mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs))
-        tc = replace(train_config, **(extra[0] if extra else {}))
+        mc = replace(mc, **model_overrides)
+        tc = replace(train_config, **train_overrides)
         if tc.out_dir is not None:
             tc = replace(tc, out_dir=str(Path(tc.out_dir) / label))
         t0 = time.perf_counter()
@@ -103,7 +113,8 @@ def compare(
         results[label] = {
             "attention": attention,
             "map_kwargs": dict(map_kwargs),
-            "train_overrides": dict(extra[0]) if extra else {},
+            "train_overrides": dict(train_overrides),
+            "model_overrides": dict(model_overrides),
             "history": history["train"],
             "val": history["val"],
             "params": history["model"].num_parameters(),
