@@ -3,7 +3,8 @@ on queries/keys captured from MQAR models trained with exact polynomial attentio
 see ``polysketch.eval.llops_table3``.
 
 Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 2000]
-       [--degrees 2 3] [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--threads N]
+       [--degrees 2 3] [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--fit-num 4096]
+       [--threads N]
        [--quick] [--reuse-captures]
 
 Each (layer, head) is measured by ``polysketch approx --source TEST --fit-source FIT`` on the
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--feature-dims", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--fit-steps", type=int, default=1000)
     parser.add_argument("--num", type=int, default=512)
+    parser.add_argument("--fit-num", type=int, default=4096, help="fitting vectors per head")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
         args.feature_dims, args.fit_steps, args.num, args.trials = [8], 5, 32, 1
     run(args.out, degrees=args.degrees, settings=settings, lr=args.lr,
         feature_dims=args.feature_dims, fit_steps=args.fit_steps, num=args.num,
+        fit_num=args.fit_num,
         trials=args.trials, seed=args.seed, reuse_captures=args.reuse_captures)  # fmt: skip
     return 0
 

@@ -34,7 +34,7 @@ def test_quick_run_writes_files_and_tables(tmp_path):
     assert "| 2 | PSF (polysketch) | 8 |" in md
     assert "LLoPS (llops, data start + Adam on Eq. 6)" in md
     assert "LLoPS (llops, data start only)" in md
-    assert "Eq. 7 optimum fitted on the same samples" in md
+    assert "Eq. 7 optimum on the fitting samples" in md
     assert (tmp_path / "table3.png").read_bytes()[:4] == b"\x89PNG"
 
     # --reuse-captures: no training, the same files measured again, the same numbers
