@@ -96,15 +96,18 @@ LLOPS_ATTENTIONS = (
     "softmax",
     "taylor:qk_dim=16",
     "llops:num_features=256,degree=4",
+    "llops:num_features=256,degree=2,elementwise_square=True",
     "llops:num_features=16,degree=2,square=True,init='monomial'",
     "polysketch",
     "psf_mixed",
 )
-"""``--setting llops``'s default attentions: LLoPS at m = 256, p = 4 as Table 4 states it;
-LLoPS self-tensored (§3.2: m = 16, p = 2, scores (φq·φk)² of degree 4, the same 256 state
-features per head) from its monomial start — signed p = 4 scores drive a third to a half of
-the normalizers negative within 400 steps (``benchmarks/llops_normalizers.py``), squared
-scores cannot; BASED's map on 16-dim queries and keys (as Table 4's BASED)."""
+"""``--setting llops``'s default attentions: LLoPS at m = 256, p = 4 as Table 4 states it,
+with signed scores; LLoPS in §3.2's non-negative form, (∏_j xΘ_j)^{*2} with two factors
+(m = 256 features, degree 4); LLoPS self-tensored (m = 16, p = 2, scores (φq·φk)² of degree 4,
+the same 256 state features per head) from its monomial start — signed p = 4 scores drive a
+third to a half of the normalizers negative within 400 steps
+(``benchmarks/llops_normalizers.py``), squared scores cannot; BASED's map on 16-dim queries
+and keys (as Table 4's BASED)."""
 
 MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size", "qk_norm", "rope")
 """Keys of an attention spec that configure the model rather than the feature map."""
