@@ -103,8 +103,8 @@ def compare(
     results = {}
     for label, (attention, map_kwargs, *extra) in attentions.items():
         train_overrides, model_overrides = (*extra, {}, {})[:2]
-        mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs))
-        mc = replace(mc, **model_overrides)
+        mc = replace(model_config, attention=attention, map_kwargs=dict(map_kwargs),
+                     **model_overrides)  # fmt: skip
         tc = replace(train_config, **train_overrides)
         if tc.out_dir is not None:
             tc = replace(tc, out_dir=str(Path(tc.out_dir) / label))
