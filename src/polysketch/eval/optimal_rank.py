@@ -8,8 +8,10 @@ of the exact kernel matrix E, reached by the truncated SVD ``U Σ_m Vᵀ``. Used
 That bound is in-sample: the SVD sees the very matrix it approximates. ``fitted_optimum`` is
 its out-of-sample counterpart, what a map can actually be fitted to do: Eq. 8's optimal linear
 maps of ψ_p(x) = vec(x^{⊗p}), chosen by Eq. 7 on *fitting* samples, then applied to other
-queries and keys. It bounds every map that is (or approximates) a linear map of ψ_p fitted by
-Eq. 6 on the same samples, LLoPS included (Thm 3.1: LLoPS is a CP-factored linear map of ψ_p).
+queries and keys. On the fitting samples no map fitted by Eq. 6 beats it (Thm 3.1; LLoPS is
+a CP-factored linear map of ψ_p). On other samples it is the reference such a fit aims at, not
+a bound: with fewer fitting vectors than dim ψ_p it interpolates them and can generalise worse
+than a constrained map.
 """
 
 from __future__ import annotations
