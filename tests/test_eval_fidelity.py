@@ -191,6 +191,17 @@ def test_fitted_optimum_out_of_sample_matches_explicit_lift(qk):
     assert fid.relative_frobenius_error(approx, exact) >= in_sample
 
 
+def test_fitted_optima_share_one_fit_across_ranks(qk):
+    from polysketch.eval.optimal_rank import fitted_optima
+
+    q_fit, k_fit = qk
+    q, k = load_qk("gaussian", dim=6, num=30, seed=11)
+    many = fitted_optima(q_fit, k_fit, q, k, degree=2, ranks=[3, 7, 50])
+    for rank, approx in zip([3, 7, 50], many, strict=True):
+        one = fid.fitted_optimum(q_fit, k_fit, q, k, degree=2, rank=rank)
+        assert rel_err(approx, one) < 1e-12
+
+
 def test_fitted_optimum_bad_input(qk):
     q, k = qk
     with pytest.raises(ValueError, match="k_fit"):

@@ -43,7 +43,7 @@ from .capture import capture_qk
 from .data_sources import load_qk
 from .fidelity import relative_frobenius_error, rmae
 from .mqar_sweep import LLOPS, make_data, train_one
-from .optimal_rank import fitted_optimum, optimal_rank_error_of
+from .optimal_rank import fitted_optima, optimal_rank_error_of
 from .plots import save_png, subplots
 
 __all__ = [
@@ -191,7 +191,7 @@ def eq7_fitted(
 ) -> list[dict]:
     """Rows (``results.csv`` keys) of the unconstrained Eq. 6 optimum on this file pair.
 
-    ``fitted_optimum``: Eq. 8's optimal linear maps of ψ_p (Thm 3.1; LLoPS is a CP-factored
+    ``fitted_optima``: Eq. 8's optimal linear maps of ψ_p (Thm 3.1; LLoPS is a CP-factored
     one), chosen by Eq. 7 on the same fitting samples ``approx --fit-source`` draws, measured
     on the same test samples (``load_qk`` with ``approx``'s seeds), as RMAE (Eq. 21, the same
     denominator floor) and relative Frobenius error. On the fitting samples no F-feature map
@@ -202,9 +202,9 @@ def eq7_fitted(
     q, k = load_qk(str(test), dim=None, num=num, seed=seed)
     q_fit, k_fit = load_qk(str(fit), dim=q.shape[-1], num=fit_num, seed=seed + 1)
     exact = (q @ k.T) ** degree
+    approxes = fitted_optima(q_fit, k_fit, q, k, degree=degree, ranks=feature_dims)
     rows = []
-    for f in feature_dims:
-        approx = fitted_optimum(q_fit, k_fit, q, k, degree=degree, rank=f)
+    for f, approx in zip(feature_dims, approxes, strict=True):
         rows.append({"map": "eq7_fitted", "num_features": f, "rmae_mean": rmae(approx, exact),
                      "rel_frobenius_mean": relative_frobenius_error(approx, exact),
                      "optimal_rel": optimal_rank_error_of(exact, f).relative})  # fmt: skip

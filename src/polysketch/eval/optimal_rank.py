@@ -31,6 +31,7 @@ __all__ = [
     "optimal_rank_error",
     "optimal_curve",
     "fitted_optimum",
+    "fitted_optima",
 ]
 
 
@@ -127,17 +128,20 @@ def optimal_curve(
     return rows
 
 
-def fitted_optimum(
+def fitted_optima(
     q_fit: torch.Tensor,
     k_fit: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     *,
     degree: int,
-    rank: int,
+    ranks: Sequence[int],
     rcond: float = 1e-12,
-) -> torch.Tensor:
-    """ψ_p(Q) W_Q* (ψ_p(K) W_K*)ᵀ: Eq. 8's rank-m linear maps fitted on (q_fit, k_fit) by Eq. 7.
+) -> list[torch.Tensor]:
+    """``fitted_optimum`` for each rank in ``ranks``, sharing the Gram eigendecompositions and
+    the SVD (one fit, truncated per rank). Returns one (Nq, Nk) float64 tensor per rank.
+
+    ψ_p(Q) W_Q* (ψ_p(K) W_K*)ᵀ: Eq. 8's rank-m linear maps fitted on (q_fit, k_fit) by Eq. 7.
 
     With X = ψ_p(Q_fit), Y = ψ_p(K_fit) and A = X Yᵀ = (Q_fit K_fitᵀ)^{∘p}, the pair
     (W_Q, W_K) minimising ‖X W_Q W_Kᵀ Yᵀ − A‖_F over rank m (minimum norm) is, with the thin
@@ -154,7 +158,7 @@ def fitted_optimum(
     (``optimal_rank_approximation``).
     """
     degree = check_positive_int(degree, "degree")
-    rank = check_positive_int(rank, "rank")
+    ranks = [check_positive_int(r, "rank") for r in ranks]
     q_fit = check_tensor(q_fit, "q_fit", min_dim=1)
     dim = q_fit.shape[-1]
     k_fit = check_tensor(k_fit, "k_fit", min_dim=1, last_dim=dim)
@@ -172,8 +176,26 @@ def fitted_optimum(
     u_y, s2_y = gram_basis(k_fit)
     core = u_x.T @ (q_fit @ k_fit.T) ** degree @ u_y
     w, sigma, zh = torch.linalg.svd(core, full_matrices=False)
-    m = min(rank, sigma.shape[0])
-    root = sigma[:m].sqrt()
-    coef_q = (u_x / s2_x) @ w[:, :m] * root  # (N, m)
-    coef_k = (u_y / s2_y) @ zh[:m].T * root  # (M, m)
-    return ((q @ q_fit.T) ** degree @ coef_q) @ ((k @ k_fit.T) ** degree @ coef_k).T
+    lift_q = (q @ q_fit.T) ** degree @ (u_x / s2_x) @ w  # ψ_p(q) V_x S_x⁻¹ W: (Nq, r)
+    lift_k = (k @ k_fit.T) ** degree @ (u_y / s2_y) @ zh.T  # (Nk, r)
+    out = []
+    for rank in ranks:
+        m = min(rank, sigma.shape[0])
+        out.append((lift_q[:, :m] * sigma[:m]) @ lift_k[:, :m].T)
+    return out
+
+
+def fitted_optimum(
+    q_fit: torch.Tensor,
+    k_fit: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    degree: int,
+    rank: int,
+    rcond: float = 1e-12,
+) -> torch.Tensor:
+    """ψ_p(Q) W_Q* (ψ_p(K) W_K*)ᵀ for one rank: ``fitted_optima`` (which documents the method)
+    with ``ranks=[rank]``. Shapes: q_fit (N, D), k_fit (M, D), q (Nq, D), k (Nk, D) ->
+    (Nq, Nk), float64; with (q, k) = (q_fit, k_fit) the truncated SVD of (Q_fit K_fitᵀ)^{∘p}."""
+    return fitted_optima(q_fit, k_fit, q, k, degree=degree, ranks=[rank], rcond=rcond)[0]
