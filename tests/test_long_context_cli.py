@@ -10,7 +10,7 @@ from polysketch.train import TrainConfig, train
 
 SMOKE = {
     "retrieval": ["--attentions", "softmax", "psf_random", "hedgehog", "taylor"],
-    "repeat": ["--attentions", "softmax", "psf_mixed"],
+    "repeat": ["--attentions", "softmax", "psf_mixed", "--probe-every", "1"],
     "positions": ["--attentions", "softmax", "psf_mixed"],
     "mqar": [],
     "timing": ["--attentions", "softmax", "psf_random"],
@@ -36,6 +36,12 @@ def test_subcommand_smoke_writes_tables_and_resumes(command, tmp_path, capsys):
     if command == "repeat":
         by = {r["attention"]: r for r in rows}
         assert by["psf_mixed"]["ablated_drop"] != "" and by["softmax"]["ablated_drop"] == ""
+        curve = _rows(out / "repeat_curve.csv")  # probed after steps 1, 2 and at the end (3)
+        assert sorted((r["attention"], int(r["step"])) for r in curve) == sorted(
+            (a, s) for a in ("softmax", "psf_mixed") for s in (1, 2, 3)
+        )
+        final = next(r for r in curve if r["attention"] == "softmax" and r["step"] == "3")
+        assert final["drop"] == by["softmax"]["drop"]
     capsys.readouterr()
     # a finished table: --reuse measures nothing new; without it the CSV is not overwritten
     assert long_context.main([*argv, "--reuse"]) == 0

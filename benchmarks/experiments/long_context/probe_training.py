@@ -123,10 +123,11 @@ def train_config(
     )
 
 
-def _finished(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> dict | None:
-    """The checkpoint at ``path`` if it holds a finished run of exactly these configs."""
+def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[dict | None, int]:
+    """(the checkpoint at ``path`` if it holds a finished run of exactly these configs, the
+    step it reached); (None, 0) without one. Another model or other settings are refused."""
     if not path.is_file():
-        return None
+        return None, 0
     state = load_checkpoint(path, restore_rng=False)
     if state.get("model_config") != asdict(mcfg):
         raise ValueError(
@@ -139,7 +140,8 @@ def _finished(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> dict | 
         raise ValueError(
             f"{path} was trained with other settings; use another --runs folder or delete it"
         )
-    return state if int(state["step"]) >= tcfg.steps else None
+    step = int(state["step"])
+    return (state if step >= tcfg.steps else None), step
 
 
 def train_model(
@@ -151,12 +153,17 @@ def train_model(
     progress: bool = True,
     checkpoint_every: int = 50,
     metadata: dict | None = None,
+    probe_every: int | None = None,
+    on_probe=None,
 ) -> tuple[object, dict]:
     """Train (or reuse / resume) ``spec`` on ``data``; returns (model in eval mode, facts).
 
-    Facts: ``train_s`` (seconds of training steps over the run's history), ``steps``,
-    ``s_per_step``, ``reused`` (True when a finished checkpoint was loaded) and the final
-    training loss ``train_loss``.
+    ``probe_every`` = n trains in segments of n steps (``train(..., stop_after=)``, the
+    schedule still spanning ``settings.steps``) and calls ``on_probe(model, step)`` after each
+    segment that ends before the last step (segments a resumed run already passed are not
+    repeated). Facts: ``train_s`` (seconds of training steps over the run's history),
+    ``steps``, ``s_per_step``, ``reused`` (True when a finished checkpoint was loaded) and the
+    final training loss ``train_loss``.
     """
     from polysketch.nn import TransformerLM
 
@@ -164,14 +171,23 @@ def train_model(
     mcfg = model_config(spec, settings, vocab_size=data.vocab_size)
     tcfg = train_config(settings, run_dir, checkpoint_every=checkpoint_every)
     path = run_dir / CHECKPOINT_NAME
-    state = _finished(path, mcfg, tcfg)
+    state, done = _existing(path, mcfg, tcfg)
     if state is not None:
         model = TransformerLM(mcfg)
         model.load_state_dict(state["model"])
         history, reused = state["history"], True
     else:
-        history = train(mcfg, tcfg, data, resume=path.is_file(), progress=progress,
-                        metadata=metadata)  # fmt: skip
+        stops = [settings.steps]
+        if probe_every:
+            every = int(probe_every)
+            if every < 1:
+                raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+            stops = [s for s in range(every, settings.steps, every) if s > done] + stops
+        for stop in stops:
+            history = train(mcfg, tcfg, data, resume=path.is_file(), progress=progress,
+                            metadata=metadata, stop_after=stop)  # fmt: skip
+            if stop < settings.steps and on_probe is not None:
+                on_probe(history["model"].eval(), stop)
         model, reused = history["model"], False
     steps = history["train"][-1]["step"]
     train_s = history["train"][-1]["elapsed_s"]

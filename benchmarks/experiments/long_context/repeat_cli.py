@@ -47,6 +47,8 @@ COLUMNS = (
     "params", "train_loss", *PROBE_COLUMNS, "train_s", "s_per_step", "eval_s",
 )  # fmt: skip
 KEY = ("attention", "text", "seed")
+CURVE_COLUMNS = ("attention", "text", "seed", "step", *PROBE_COLUMNS)
+CURVE_KEY = ("attention", "text", "seed", "step")
 
 
 def register(subparsers) -> None:
@@ -58,6 +60,12 @@ def register(subparsers) -> None:
     p.add_argument("--distance", type=int, default=1024, help="first token to recurrence")
     p.add_argument("--val-windows", type=int, default=16, help="probe windows (held out)")
     p.add_argument("--corpus", default="shakespeare", help="natural text source")
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=None,
+        help="also probe every N steps (repeat_curve.csv): to find a budget",
+    )
     add_model_arguments(p, context=2048, steps=500, lr=1e-3, schedule="constant")
     p.set_defaults(run=lambda args, argv: guarded(_run, args, argv))
 
@@ -96,6 +104,10 @@ def _run(args, argv) -> int:
     table = ResultCSV(out / "repeat.csv", COLUMNS, KEY, settings=settings, reuse=args.reuse,
                       overwrite=args.overwrite)  # fmt: skip
     runs = runs_dir(args, out)
+    curve = None
+    if args.probe_every:
+        curve = ResultCSV(out / "repeat_curve.csv", CURVE_COLUMNS, CURVE_KEY, settings=settings,
+                          reuse=args.reuse, overwrite=args.overwrite)  # fmt: skip
     for seed in args.seeds:
         ps = per_seed[seed]
         data = None
@@ -106,9 +118,29 @@ def _run(args, argv) -> int:
             if data is None:
                 data, factual, counter = probe_data(args, ps, seed)
             run = runs / run_label(spec, args.text, f"seed{seed}")
-            model, facts = train_model(spec, data, ps, run, progress=not args.no_progress)
+
+            def on_probe(model, step, row=row, factual=factual, counter=counter):
+                point = {**row, "step": step}
+                if not curve.has(point):
+                    curve.add({**point, **probe_model(model, factual, counter)})
+                    print(f"{row['attention']} step {step}: drop {curve.rows[-1]['drop']:.3f}")
+
+            model, facts = train_model(
+                spec,
+                data,
+                ps,
+                run,
+                progress=not args.no_progress,
+                probe_every=args.probe_every,
+                on_probe=on_probe if curve is not None else None,
+            )
             start = time.perf_counter()
             row.update(probe_model(model, factual, counter))
+            if curve is not None and not curve.has({**row, "step": facts["steps"]}):
+                curve.add(
+                    {k: row[k] for k in ("attention", "text", "seed", *PROBE_COLUMNS)}
+                    | {"step": facts["steps"]}
+                )
             row.update(
                 steps=facts["steps"], context=ps.context, distance=layout["distance"],
                 passage_len=layout["passage_len"], state_size=model.decode_state_size(ps.context),
@@ -135,6 +167,8 @@ def _run(args, argv) -> int:
         "of one-thread runs).",
     ]
     md = header("Repeat (copy) probe", argv, cpu_s=cpu, extra=extra) + "\n" + markdown(summary)
+    if curve is not None:
+        md += "\nDuring training (repeat_curve.csv):\n\n" + curve_markdown(curve.rows)
     (out / "repeat.md").write_text(md)
     png = plot_drops(summary, out / "repeat.png")
     print(markdown(summary))
@@ -192,6 +226,24 @@ def markdown(summary) -> str:
         for r in summary
     ]
     return markdown_table(head, rows) + "\n"  # fmt: skip
+
+
+def curve_markdown(rows) -> str:
+    head = ("attention", "text", "seed", "step", "first", "recurrence", "drop", "cf drop")
+    body = [
+        (
+            f"`{r['attention']}`",
+            r["text"],
+            r["seed"],
+            r["step"],
+            f"{r['first']:.3f}",
+            f"{r['second']:.3f}",
+            f"{r['drop']:.3f}",
+            f"{r['cf_drop']:.3f}",
+        )
+        for r in sorted(rows, key=lambda r: (r["attention"], r["seed"], r["step"]))
+    ]
+    return markdown_table(head, body) + "\n"  # fmt: skip
 
 
 def plot_drops(summary, path):

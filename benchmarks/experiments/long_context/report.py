@@ -4,7 +4,7 @@ Every table of ``benchmarks/long_context.py`` is one folder (``--out``) holding
 
 * ``TABLE.csv``: one line per measured unit (e.g. one map × context × draw), appended and
   flushed as soon as it is measured, so a table stopped halfway keeps what it finished;
-* ``settings.json``: the settings the rows were measured with;
+* ``TABLE.settings.json``: the settings the rows were measured with;
 * ``TABLE.md`` and ``TABLE.png``: the summary table (with the command, seeds and CPU time)
   and its plot, rewritten from the whole CSV at the end of every run.
 
@@ -86,7 +86,7 @@ class ResultCSV:
         missing = [k for k in self.key if k not in self.columns]
         if missing:
             raise ValueError(f"key columns {missing} are not among the columns")
-        self.settings_path = self.path.with_name("settings.json")
+        self.settings_path = self.path.with_suffix(".settings.json")
         self.rows: list[dict] = []
         settings = json.loads(json.dumps(settings))  # as it will read back
         if self.path.exists() and not overwrite:
