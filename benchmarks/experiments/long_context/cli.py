@@ -46,8 +46,10 @@ def out_dir(args) -> Path:
 
 
 def command_line(argv) -> str:
-    """The command that reproduces this run, for the markdown header."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """The command that reproduces this table, for the markdown header (``--reuse`` and
+    ``--overwrite`` dropped: they do not change the rows)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv)
+            if a not in ("--reuse", "--overwrite")]  # fmt: skip
     return "python benchmarks/long_context.py " + shlex.join(args)
 
 
@@ -56,7 +58,7 @@ def header(title: str, argv, *, cpu_s: float, extra: list[str] = ()) -> str:
     lines = [
         f"# {title}",
         "",
-        f"Command: `{command_line(argv)}`",
+        f"Command: `{command_line(argv)}` (add `--reuse` to continue a stopped run)",
         "",
         f"Torch threads: {torch.get_num_threads()}. CPU time of the rows in the CSV: "
         f"{cpu_s:.0f} s ({cpu_s / 3600:.2f} CPU-hours). Written {time.strftime('%Y-%m-%d')}.",

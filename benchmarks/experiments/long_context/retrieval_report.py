@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from polysketch.eval.plots import log_axes, save_png, subplots
+from polysketch.eval.plots import log_axes, subplots
 
 from .report import fmt, markdown_table
 from .retrieval_table import WEIGHT_COLUMNS
@@ -111,14 +112,19 @@ def reproduction_lines(summary: Sequence[dict]) -> list[str]:
 
 
 def plot_retrieval(summary: Sequence[dict], path, *, title: str = "") -> object:
-    """Weight vs t (log-log), one panel per (input, query kind), one line per attention;
-    the exact-match panels draw each non-negative map's bound min(1, F′/t) dotted."""
+    """Weight vs t (log-log), one panel per (input, query kind), one line per attention (one
+    colour and marker each, legend below); the exact-match panels draw each non-negative
+    map's bound min(1, F′/t) dotted in its colour where it is below 1."""
+    from polysketch.eval.plots import pyplot
+
     sources = list(dict.fromkeys(r["input"] for r in summary))
     cols = [c for c in WEIGHT_COLUMNS.values() if any(c in r for r in summary)]
+    names = list(dict.fromkeys(r["attention"] for r in summary))
+    cmap = pyplot().get_cmap("tab20")
+    style = {n: (cmap(i % 20), "os^vD<>ph*X"[i % 11]) for i, n in enumerate(names)}
     fig, axes = subplots(len(sources) * len(cols), ncols=len(cols), panel_size=(5.0, 3.8))
     for i, source in enumerate(sources):
         rows = [r for r in summary if r["input"] == source]
-        names = list(dict.fromkeys(r["attention"] for r in rows))
         for j, col in enumerate(cols):
             ax = axes[i * len(cols) + j]
             for n in names:
@@ -129,17 +135,24 @@ def plot_retrieval(summary: Sequence[dict], path, *, title: str = "") -> object:
                 )
                 if not pts:
                     continue
-                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                                  label=n)  # fmt: skip
+                color, marker = style[n]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ms=3,
+                        color=color, label=n)  # fmt: skip
                 bounds = [(p[0], float(p[2])) for p in pts if p[2] != "" and float(p[2]) < 1]
                 if col == "w_match" and bounds:
-                    ax.plot(*zip(*bounds, strict=True), ls=":", color=line.get_color(), lw=1)
+                    ax.plot(*zip(*bounds, strict=True), ls=":", color=color, lw=1)
             log_axes(ax)
             ax.set_xlabel("keys t")
             ax.set_ylabel("weight on the matching key")
             ax.set_title(f"{source}: {_QUERY_NAMES[col]}", fontsize=9)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=6)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
-    return save_png(fig, path)
+    bottom = 0.03 + 0.025 * ((len(labels) + 3) // 4) * 2 / len(sources)
+    fig.tight_layout(rect=(0, bottom, 1, 0.97))  # room for the legend below the panels
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=120)
+    pyplot().close(fig)
+    return path
