@@ -53,14 +53,17 @@ def command_line(argv) -> str:
     return "python benchmarks/long_context.py " + shlex.join(args)
 
 
-def header(title: str, argv, *, cpu_s: float, extra: list[str] = ()) -> str:
-    """The markdown header: title, command, threads and CPU time."""
+def header(title: str, argv, *, cpu_s: float, extra: list[str] = (), resumable: bool = True) -> str:
+    """The markdown header: title, command, threads and CPU time (of the CSV's rows, or of
+    this run when the output is not a resumable table)."""
+    note = " (add `--reuse` to continue a stopped run)" if resumable else ""
+    what = "of the rows in the CSV" if resumable else "of this run"
     lines = [
         f"# {title}",
         "",
-        f"Command: `{command_line(argv)}` (add `--reuse` to continue a stopped run)",
+        f"Command: `{command_line(argv)}`{note}",
         "",
-        f"Torch threads: {torch.get_num_threads()}. CPU time of the rows in the CSV: "
+        f"Torch threads: {torch.get_num_threads()}. CPU time {what}: "
         f"{cpu_s:.0f} s ({cpu_s / 3600:.2f} CPU-hours). Written {time.strftime('%Y-%m-%d')}.",
     ]
     for line in extra:

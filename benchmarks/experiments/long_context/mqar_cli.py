@@ -11,6 +11,8 @@ training steps per attention instead and projects the CPU time of a full run.
 
 from __future__ import annotations
 
+import time
+
 from polysketch.eval import mqar_sweep as ms
 
 from .cli import add_common, guarded, header, out_dir
@@ -53,7 +55,8 @@ def _settings(args) -> tuple[dict, list[str]]:
     return s, list(args.attentions or attentions)
 
 
-def _estimate(args, settings: dict, attentions: list[str], out) -> int:
+def _estimate(args, settings: dict, attentions: list[str], out, argv) -> int:
+    start = time.perf_counter()
     data = ms.make_data({**settings, "num_train": 1, "num_val": 1}, seed=args.seed)
     rows = []
     for spec in attentions:
@@ -70,7 +73,8 @@ def _estimate(args, settings: dict, attentions: list[str], out) -> int:
                          "decode state (floats)"), rows)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "estimate.md").write_text(
-        header("Long-range MQAR: projected CPU time per run", None, cpu_s=0.0,
+        header("Long-range MQAR: projected CPU time per run", argv,
+               cpu_s=time.perf_counter() - start, resumable=False,
                extra=[f"Settings: {settings}; median of {args.estimate_steps} steps after one "
                       f"warm-up, batch {settings['batch_size']} × {settings['seq_len']}."])
         + "\n" + md + "\n"
@@ -83,7 +87,7 @@ def _run(args, argv) -> int:
     settings, attentions = _settings(args)
     out = out_dir(args)
     if args.estimate:
-        return _estimate(args, settings, attentions, out)
+        return _estimate(args, settings, attentions, out, argv)
     lrs = args.lrs or [settings["lr"]]
     table = ResultCSV(out / "mqar.csv", COLUMNS, KEY,
                       settings={"setting": args.setting, **settings, "seed": args.seed},
