@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from tqdm.auto import tqdm
+
 from polysketch.eval.plots import save_png, subplots
 
 from .cli import add_common, guarded, header, out_dir
@@ -64,11 +66,10 @@ def _run(args, argv) -> int:
     settings = {**s, "threads": torch.get_num_threads(), "attentions": list(args.attentions)}
     table = ResultCSV(out / "timing.csv", COLUMNS, KEY, settings=settings, reuse=args.reuse,
                       overwrite=args.overwrite)  # fmt: skip
-    for text, layers, width in sizes:
-        for spec in args.attentions:
-            row = {"size": text, "attention": spec}
-            if table.has(row):
-                continue
+    units = [(t, layers, width, spec) for t, layers, width in sizes for spec in args.attentions]
+    for text, layers, width, spec in tqdm(units, desc="timing", disable=args.no_progress):
+        row = {"size": text, "attention": spec}
+        if not table.has(row):
             ps = ProbeSettings(n_layer=layers, n_embd=width, n_head=s["n_head"],
                                chunk_size=s["chunk_size"], context=s["context"],
                                batch_size=s["batch_size"], seed=args.seed)  # fmt: skip
