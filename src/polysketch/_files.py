@@ -121,7 +121,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], Non
 def replace_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     """Build a folder with ``fill(tmp)`` beside ``path``, then swap it into ``path``.
 
-    The folder gets mode 0o777 minus the umask. An existing ``path`` is moved aside and
+    The folder and everything ``fill`` created in it get the modes of a plain ``mkdir`` /
+    ``open`` (0o777 / 0o666 minus the umask). An existing ``path`` is moved aside and
     removed only after the new folder is in place; on failure the partial folder is removed.
     """
     path = Path(path)
@@ -133,6 +134,9 @@ def replace_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
         raise _fail(err, path) from err
     try:
         fill(tmp)
+        for entry in tmp.rglob("*"):  # writers that use mkstemp themselves leave 0600 files
+            if not entry.is_symlink():
+                os.chmod(entry, dir_mode() if entry.is_dir() else file_mode())
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old")
