@@ -50,7 +50,8 @@ def _resume(out):
                  "--device", "cpu"])  # fmt: skip
 
 
-def _error_line(capsys, command, *needles):
+def error_line(capsys, command, *needles):
+    """The one ``polysketch COMMAND: error:`` line on stderr, holding every needle."""
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith(f"polysketch {command}: error:")]
     assert len(lines) == 1, err
@@ -66,7 +67,7 @@ def test_crafted_pickle_is_refused_and_never_runs(run_copy, tmp_path, capsys, co
     path = crafted_checkpoint(run_copy / "ckpt.pt", marker)
     rc = _generate(path) if command == "generate" else _resume(run_copy)
     assert rc == 2
-    _error_line(capsys, "generate" if command == "generate" else "train", str(path), "refused")
+    error_line(capsys, "generate" if command == "generate" else "train", str(path), "refused")
     assert not marker.exists()
 
 
@@ -83,7 +84,7 @@ def _flip_first_weight(path):
 
 @pytest.mark.parametrize("damage", ["empty", "truncated", "flipped bit"])
 @pytest.mark.parametrize("command", ["generate", "resume"])
-def test_damaged_checkpoint_gives_one_error_line(run_copy, capsys, command, damage):
+def test_damaged_checkpoint_gives_oneerror_line(run_copy, capsys, command, damage):
     path = run_copy / "ckpt.pt"
     if damage == "empty":
         path.write_bytes(b"")
@@ -94,7 +95,7 @@ def test_damaged_checkpoint_gives_one_error_line(run_copy, capsys, command, dama
     rc = _generate(path) if command == "generate" else _resume(run_copy)
     assert rc == 2
     word = "corrupt" if damage == "flipped bit" else "damaged"
-    _error_line(capsys, "generate" if command == "generate" else "train", str(path), word)
+    error_line(capsys, "generate" if command == "generate" else "train", str(path), word)
 
 
 @pytest.mark.parametrize("command", ["generate", "resume"])
@@ -105,7 +106,7 @@ def test_model_config_that_does_not_fit_the_weights(run_copy, capsys, command):
     save_checkpoint(path, state)
     rc = _generate(path) if command == "generate" else _resume(run_copy)
     assert rc == 2
-    _error_line(capsys, "generate" if command == "generate" else "train", str(path))
+    error_line(capsys, "generate" if command == "generate" else "train", str(path))
 
 
 def test_checkpoint_with_unknown_config_keys(run_copy, capsys):
@@ -114,9 +115,9 @@ def test_checkpoint_with_unknown_config_keys(run_copy, capsys):
     state["model_config"]["no_such_field"] = 1
     save_checkpoint(path, state)
     assert _generate(path) == 2
-    _error_line(capsys, "generate", str(path), "no_such_field")
+    error_line(capsys, "generate", str(path), "no_such_field")
     assert _resume(run_copy) == 2
-    _error_line(capsys, "train", str(path), "no_such_field")
+    error_line(capsys, "train", str(path), "no_such_field")
 
 
 def test_checkpoint_written_before_format_2_still_generates_and_resumes(run_copy, capsys):

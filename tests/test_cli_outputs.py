@@ -16,7 +16,8 @@ import torch
 
 from polysketch._files import process_umask
 from polysketch.cli import main
-from polysketch.train import load_checkpoint
+from polysketch.train import load_checkpoint, save_checkpoint
+from test_cli_checkpoints import error_line as _error_line
 
 TEXT = "".join(f"All the world's a stage, line {i}.\n" for i in range(40))
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -34,16 +35,6 @@ def corpus(tmp_path):
 def _train(corpus, out, *extra):
     return main(["train", "--corpus", str(corpus), "--out", str(out), "--steps", "2",
                  "--attention", "elu", *TINY, *extra])  # fmt: skip
-
-
-def _error_line(capsys, command, *needles):
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith(f"polysketch {command}: error:")]
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def _snapshot(folder: Path) -> dict:
@@ -242,8 +233,6 @@ def test_resume_of_a_cuda_run_on_a_machine_without_cuda(tmp_path, corpus, capsys
         pytest.skip("needs a machine without CUDA")
     out = tmp_path / "run"
     assert _train(corpus, out) == 0
-    from polysketch.train import save_checkpoint
-
     state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
     state["train_config"]["device"] = "cuda"  # as if trained on a GPU
     save_checkpoint(out / "ckpt.pt", state)

@@ -52,8 +52,9 @@ def _draws():
 
 def test_round_trip_restores_every_rng_and_holds_no_pickled_objects(tmp_path):
     path = tmp_path / "ckpt.pt"
-    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)},
-             "step": 7, "history": [{"loss": 0.5, "split": "train"}], "cfg": (1, None, True)}  # fmt: skip
+    model = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    state = {"model": model, "step": 7, "history": [{"loss": 0.5, "split": "train"}],
+             "cfg": (1, None, True)}  # fmt: skip
     np.random.normal()  # noqa: NPY002  (a cached Gaussian is part of NumPy's legacy state)
     save_checkpoint(path, state)
     expected = _draws()
