@@ -215,6 +215,8 @@ def _first_line(err: BaseException) -> str:
 
 
 def _read(path: Path) -> Any:
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is damaged: the file is empty (0 bytes)")
     try:
         with torch.serialization.safe_globals(_numpy_allowlist()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -231,9 +233,11 @@ def _read(path: Path) -> Any:
     except (PermissionError, IsADirectoryError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror}") from None
     except Exception as err:  # torch.load's errors on a broken file are of any type
+        detail = _first_line(err)
+        if detail != type(err).__name__:
+            detail = f"{type(err).__name__}: {detail}"
         raise CheckpointError(
-            f"checkpoint {path} is damaged (truncated, empty or not a torch file): "
-            f"{type(err).__name__}: {_first_line(err)}"
+            f"checkpoint {path} is damaged (truncated or not a torch file): {detail}"
         ) from None
 
 
