@@ -132,7 +132,13 @@ def test_save_refuses_objects_loading_would_have_to_unpickle(tmp_path):
     path = tmp_path / "ckpt.pt"
     with pytest.raises(TypeError, match=r"state\['metadata'\]\['when'\]"):
         save_checkpoint(path, {"metadata": {"when": object()}})
+    with pytest.raises(TypeError, match=r"state\['history'\]\[0\]\['loss'\] is a numpy"):
+        save_checkpoint(path, {"history": [{"loss": np.float64(0.5)}]})  # would not load back
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary left
+    state = {"shape": torch.Size([2, 3]), "dtype": torch.float16, "device": torch.device("cpu")}
+    save_checkpoint(path, state)
+    loaded = load_checkpoint(path, restore_rng=False)
+    assert {k: loaded[k] for k in state} == state and type(loaded["shape"]) is torch.Size
 
 
 def test_digest_sees_values_types_and_order():

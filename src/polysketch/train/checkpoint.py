@@ -18,8 +18,9 @@ Format, version 2 (written since the ``#16`` safety fixes): one ``torch.save`` f
 * ``sha256`` is the SHA-256 of a deterministic traversal of ``STATE`` (``state_digest``):
   containers in order (dict items in insertion order, which pickling keeps) with their kind
   and length; each tensor as dtype, shape and raw bytes; each plain leaf as a typed text
-  (floats as ``float.hex``). ``load_checkpoint`` recomputes it and refuses a file whose
-  content does not match: a flipped bit in tensor data is an error, not a silent change.
+  (floats as ``float.hex``); a dict of plain scalars (a history row) as its ``repr``.
+  ``load_checkpoint`` recomputes it and refuses a file whose content does not match: a
+  flipped bit in tensor data is an error, not a silent change.
 
 Writing is atomic (``polysketch._files.atomic_write``): a crash mid-write leaves the previous
 checkpoint intact, and the temporary ``.ckpt.pt.*.tmp`` files of a crashed writer are removed
@@ -43,6 +44,7 @@ import os
 import pickle
 import random
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -134,9 +136,23 @@ def _where(trail: tuple) -> str:
     return "state" + "".join(f"[{key!r}]" for key in trail)
 
 
+_SCALARS = (int, float, str, bool, type(None))  # exact types: subclasses do not load back
+_MAPPINGS = (dict, OrderedDict)
+_SEQUENCES = {list: "L", tuple: "U", torch.Size: "Z"}
+
+
 def _feed(h, parts: list[bytes], obj, trail: tuple) -> None:
-    """Append ``obj``'s typed encoding to ``parts`` (tensor bytes go straight into ``h``)."""
-    if isinstance(obj, torch.Tensor):
+    """Append ``obj``'s typed encoding to ``parts`` (tensor bytes go straight into ``h``).
+
+    Accepts exactly the types ``torch.load(weights_only=True)`` reads back (subclasses such
+    as NumPy scalars or enums are refused: they would not load)."""
+    kind = type(obj)
+    if kind is dict and all(type(k) in _SCALARS and type(v) in _SCALARS for k, v in obj.items()):
+        # a flat record (a history row): its repr is exact and typed (floats round-trip,
+        # 1 != 1.0 != True, quotes mark strings), one call instead of one per leaf
+        data = repr(obj).encode("utf-8", "surrogatepass")
+        parts.append(b"R" + struct.pack("<Q", len(data)) + data)
+    elif isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.layout != torch.strided or t.is_quantized:
             raise TypeError(f"{_where(trail)}: a {t.layout} tensor cannot be checksummed")
@@ -146,31 +162,31 @@ def _feed(h, parts: list[bytes], obj, trail: tuple) -> None:
         flat = t.cpu().contiguous().reshape(-1)
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy())
-    elif isinstance(obj, Mapping):
+    elif kind in _MAPPINGS:
         parts.append(f"D{len(obj)};".encode())
         for key, value in obj.items():
             _feed(h, parts, key, trail)
             _feed(h, parts, value, (*trail, key))
-    elif isinstance(obj, (list, tuple)):
-        parts.append(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)};".encode())
+    elif kind in _SEQUENCES:
+        parts.append(f"{_SEQUENCES[kind]}{len(obj)};".encode())
         for i, value in enumerate(obj):
             _feed(h, parts, value, (*trail, i))
-    elif obj is None or isinstance(obj, bool):
+    elif obj is None or kind is bool:
         parts.append(f"B{obj};".encode())
-    elif isinstance(obj, int):
+    elif kind is int:
         parts.append(f"I{obj};".encode())
-    elif isinstance(obj, float):
+    elif kind is float:
         parts.append(f"F{obj.hex()};".encode())
-    elif isinstance(obj, str):
+    elif kind is str:
         data = obj.encode("utf-8", "surrogatepass")
         parts.append(b"S" + struct.pack("<Q", len(data)) + data)
-    elif isinstance(obj, (torch.dtype, torch.device)):
+    elif kind in (torch.dtype, torch.device):
         parts.append(f"O{obj};".encode())
     else:
         raise TypeError(
-            f"{_where(trail)} is a {type(obj).__module__}.{type(obj).__qualname__}: a "
-            "checkpoint holds only tensors, dicts, lists, tuples, str, int, float, bool and "
-            "None (loading never unpickles other objects); convert it to one of those"
+            f"{_where(trail)} is a {kind.__module__}.{kind.__qualname__}: a checkpoint holds "
+            "only tensors, dicts, lists, tuples, str, int, float, bool and None (loading "
+            "never unpickles other objects); convert it to one of those (e.g. float(x))"
         )
 
 
