@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_finite, check_tensor
-from .base import register
+from .._checks import check_choice, check_finite, check_positive_int, check_tensor
+from .base import Hyperparameter, register
 from .random_features import SoftmaxRandomFeatureMap, _check_directions
 
 __all__ = ["complex_exp_features", "key_matrix", "ComplexExpRandomFeatures"]
@@ -139,6 +139,12 @@ class ComplexExpRandomFeatures(SoftmaxRandomFeatureMap):
     the compute dtype at each call (a 2D×2D inverse).
     """
 
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "A": Hyperparameter(None, "(D, D) invertible real or complex matrix (None: identity)"),
+        "antithetic": Hyperparameter(True, "use the rows [ω; −ω] (2m Ψ-entries)"),
+    }
+
     def __init__(
         self,
         dim: int,
@@ -147,6 +153,7 @@ class ComplexExpRandomFeatures(SoftmaxRandomFeatureMap):
         antithetic: bool = True,
         **kwargs,
     ):
+        dim = check_positive_int(dim, "dim")  # before torch.eye(dim) can fail on it
         if not isinstance(antithetic, bool):
             raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__}")
         if A is None:

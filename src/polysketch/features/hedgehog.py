@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .._checks import check_finite, check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 from .llops import _flat_finite
 
 __all__ = ["HedgehogFeatureMap", "distillation_loss"]
@@ -105,6 +105,18 @@ class HedgehogFeatureMap(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "softmax"
+    hyperparameters = {
+        "num_features": Hyperparameter(None, "M >= 1, the size of each half (None: D)"),
+        "shared": Hyperparameter(False, "one (W, b) for queries and keys"),
+        "scale": Hyperparameter(None, "temperature of the target exp(scale·x·y) (None: 1/√D)"),
+        "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features"),
+        "seed": Hyperparameter(None, "seed of the initial W when M != D"),
+        "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"causal", "steps", "lr", "batch", "seed", "generator", "progress", "check_rows"}
+    )
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import check_choice, check_finite, check_float, check_positive_int, check_tensor
-from .base import register
+from .base import Hyperparameter, register
 from .random_features import (
     SoftmaxRandomFeatureMap,
     _check_directions,
@@ -166,6 +166,13 @@ class AngularHybrid(_HybridFeatureMap):
     Buffers: ``omega_pos`` (m, D), ``omega_trig`` (m, D, absent when shared), ``tau`` (n, D).
     """
 
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "num_features": Hyperparameter(None, "m >= 1 directions per base estimator (None: D)"),
+        "lambda_features": Hyperparameter(4, "n >= 1 sign features of λ̂"),
+        "shared_directions": Hyperparameter(False, "trig and positive share the ω's"),
+    }
+
     def __init__(
         self,
         dim: int,
@@ -224,6 +231,16 @@ class GaussianHybrid(_HybridFeatureMap):
     Buffers: ``base_omega`` (p+1, m, D), ``lambda_omega`` (p, n, D), ``M`` (p, D, D),
     ``widths`` (p,).
     """
+
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "num_features": Hyperparameter(None, "m >= 1 directions per base estimator (None: D)"),
+        "lambda_features": Hyperparameter(4, "n >= 1 random features per λ̂_k"),
+        "M": Hyperparameter(None, "(D, D) or (p, D, D) real matrices M_k (None: I)"),
+        "widths": Hyperparameter(1.0, "c_k > 0, a float or p floats"),
+        "estimators": Hyperparameter(None, "p + 1 base names in {positive, trig}"),
+        "lambda_estimator": Hyperparameter("positive", "'positive' or 'trig' features of λ̂"),
+    }
 
     def __init__(
         self,

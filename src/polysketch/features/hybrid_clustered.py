@@ -62,7 +62,7 @@ from .._checks import (
     check_tensor,
 )
 from ..random import make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 from .random_features import draw_directions
 
 __all__ = [
@@ -257,6 +257,18 @@ class ClusteredHybrid(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "softmax"
+    hyperparameters = {
+        "num_features": Hyperparameter(16, "m >= 1 random features per cluster-pair estimator"),
+        "clusters": Hyperparameter(2, "u = w (int) or (u, w), the default cluster counts of fit"),
+        "A_family": Hyperparameter("real_diagonal", f"family of A, one of {A_FAMILIES}"),
+        "scale": Hyperparameter(1.0, "s > 0 of the target exp(s·x·y)"),
+        "orthogonal": Hyperparameter(False, "draw ω in orthogonal blocks"),
+        "antithetic": Hyperparameter(True, "use the rows [ω; −ω]"),
+        "seed": Hyperparameter(None, "seed of ω and of fit's k-means"),
+        "generator": Hyperparameter(None, "torch.Generator for both (not with seed)"),
+    }
+    fit_keywords = frozenset({"clusters", "steps", "max_samples", "seed", "generator"})
     _fitted_names = ("centers_q", "centers_k", "A_real", "A_imag")
 
     def __init__(

@@ -43,7 +43,7 @@ from torch import nn
 
 from .._checks import check_positive_int, check_tensor
 from ..random import make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 from .llops import _flat_finite, fit_kernel, relative_loss
 
 __all__ = ["LearnedPolySketch", "SketchBlock"]
@@ -115,6 +115,18 @@ class LearnedPolySketch(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "polynomial"
+    hyperparameters = {
+        "num_features": Hyperparameter(32, "r >= 1, the sketch size"),
+        "expansion": Hyperparameter(8, "e >= 1, hidden width e·r of each block"),
+        "levels": Hyperparameter(2, "blocks per branch >= 1"),
+        "degree": Hyperparameter(4, "even degree of the target (x·y)^degree"),
+        "seed": Hyperparameter(None, "seed of the initial weights"),
+        "generator": Hyperparameter(None, "torch.Generator for the weights (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"degree", "steps", "lr", "batch", "seed", "generator", "progress", "check_rows"}
+    )
 
     def __init__(
         self,

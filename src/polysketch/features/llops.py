@@ -31,7 +31,7 @@ from .._checks import (
     check_tensor,
 )
 from ..random import gaussian, make_generator, orthogonal_gaussian
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 from .llops_init import (
     _flat_finite,
     largest_rank,
@@ -218,6 +218,21 @@ class LLoPS(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, factors per feature (target degree p, 2p squared)"),
+        "num_features": Hyperparameter(None, "F >= 1 (None: 2·D)"),
+        "rank": Hyperparameter(1, "t >= 1, the CP rank of each feature"),
+        "square": Hyperparameter(False, "score (φQ·φK)², target (x·y)^{2p}"),
+        "elementwise_square": Hyperparameter(False, "features φ_f², target (x·y)^{2p}, F state"),
+        "shared": Hyperparameter(False, "one set of factors for queries and keys"),
+        "init": Hyperparameter("sketch", "'sketch', 'random' or 'monomial' start"),
+        "seed": Hyperparameter(None, "seed of the initial draw"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"degree", "steps", "lr", "batch", "init", "seed", "generator", "progress"}
+    )
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ import torch
 
 from .._checks import check_feature_input, check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator, orthogonal_gaussian
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "draw_directions",
@@ -117,6 +117,14 @@ class SoftmaxRandomFeatureMap(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "softmax"
+    hyperparameters = {
+        "num_features": Hyperparameter(None, "m >= 1 random directions (None: 4·D)"),
+        "scale": Hyperparameter(1.0, "s > 0 of the target exp(s·x·y)"),
+        "orthogonal": Hyperparameter(False, "draw ω in blocks of D orthogonal directions"),
+        "seed": Hyperparameter(None, "seed of the random directions"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
 
     def __init__(
         self,

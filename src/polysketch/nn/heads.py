@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from torch import nn
 from .._checks import check_int, check_positive_int, check_tensor
 from ..features import create, get_class
 from ..features.base import FeatureMap
-from ..random import make_generator
+from ..random import check_seed, make_generator
 
 __all__ = ["MultiHeadFeatureMap", "head_seed", "LOOP_MAPS"]
 
@@ -51,12 +50,6 @@ def head_seed(seed: int, layer_index: int, head_index: int) -> int:
     """
     text = f"polysketch:{seed}:{layer_index}:{head_index}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-def _accepts(cls: type, keyword: str) -> bool:
-    """Whether ``cls(dim, keyword=...)`` is accepted (named parameter or ``**kwargs``)."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
 
 
 class _Role(nn.Module):
@@ -97,21 +90,18 @@ class MultiHeadFeatureMap(nn.Module):
         **map_kwargs,
     ):
         super().__init__()
-        cls = get_class(name)
+        get_class(name)  # an unknown name fails here, naming the choices
         self.name = name
         self.head_dim = check_positive_int(head_dim, "head_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
-        self.seed = check_int(seed, "seed", minimum=0)
+        self.seed = check_seed(seed)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
         if "seed" in map_kwargs or "generator" in map_kwargs:
             raise ValueError("map_kwargs must not contain seed/generator: pass seed= instead")
-        seeded = _accepts(cls, "seed")
 
-        def build(h: int) -> FeatureMap:
-            kw = dict(map_kwargs)
-            if seeded:
-                kw["seed"] = head_seed(self.seed, self.layer_index, h)
-            return create(name, self.head_dim, **kw)
+        def build(h: int) -> FeatureMap:  # every map takes seed= (deterministic ones ignore it)
+            seed = head_seed(self.seed, self.layer_index, h)
+            return create(name, self.head_dim, **map_kwargs, seed=seed)
 
         maps = [build(h) for h in range(self.num_heads)]
         first = maps[0]
