@@ -34,8 +34,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_choice, check_float, check_int, check_positive_int, check_tensor
 from ..features import FeatureMap, get_class
-from ..random import fresh_seed, make_generator
-from .optimal_rank import (
+from ..features.optimal_rank import (
     OptimalError,
     check_qk,
     fitted_optimum,
@@ -45,6 +44,7 @@ from .optimal_rank import (
     optimal_rank_error_of,
     polynomial_target,
 )
+from ..random import fresh_seed, make_generator
 
 __all__ = [
     "polynomial_target",
