@@ -111,6 +111,11 @@ def test_fp16_large_inputs_are_exact_or_refused_naming_bfloat16(name):
         assert rel(out, ref) <= 1e-2
     with pytest.raises(ValueError, match="float16"):
         kernel_attention((q * 10).half(), (k * 10).half(), v.half(), fm, causal=True)
+    # only the queries overflow, offset 0: these maps have no stabilized form, so refuse
+    # (before this check the query side went unchecked on the offset-0 path)
+    small = k.half() / 100
+    with pytest.raises(ValueError, match="query features.*float16"):
+        kernel_attention((q * 10).half(), small, v.half(), fm, causal=True)
 
 
 # ----- the rules --------------------------------------------------------------------------------

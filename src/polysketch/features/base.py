@@ -36,15 +36,15 @@ device against the map's tensors), pick the compute dtype (fp32 internals for bf
 s_ij of that row and cancels. ``query_stabilized(x)`` returns ``c(x)·φq(x)`` with c(x) > 0 per
 row; maps with ``stable_query = True`` (the softmax-kernel random features, whose query
 features carry exp(±‖u‖²/2) and exp(ω·u) factors that over- or underflow for ‖u‖ ≳ 9–13 in
-fp32) compute it in log space so that the row's largest |feature| is in [2^{-1/2}, 1] and
+fp32) compute it in log space so that the row's largest |feature| is in [1/2, 1] and
 nothing overflows; other maps return ``φq(x)`` unchanged (c = 1). The attention path may use
 it ONLY when ``normalize=True`` and ``denominator_offset == 0`` (with an offset or without
 normalization c_i does not cancel), and it never shifts keys: a per-key factor reweights keys
 and a factor shared by all keys would have to look at other (later) tokens, performer-pytorch's
 causal leak. ``polysketch.features.stability.attention_features`` applies this rule and
-refuses (ValueError on CPU, ``torch._assert_async`` on accelerators) what cannot be computed
-exactly: overflowing key features, overflowing query features where no stabilization is
-allowed, and normalizers that underflow the denominator guard.
+refuses (ValueError on CPU; ``torch._assert_async`` on accelerators and under
+``torch.compile``) what cannot be computed exactly: overflowing key features, overflowing query
+features, and normalizers that underflow the denominator guard.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
     def query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
         """c(x)·φq(x) with c(x) > 0 per row: (..., D) -> (..., F), same dtype as ``x``.
 
-        For ``stable_query`` maps the row's largest |feature| is in [2^{-1/2}, 1] and nothing
+        For ``stable_query`` maps the row's largest |feature| is in [1/2, 1] and nothing
         overflows on the way (log-space computation); other maps return ``query(x)``. Use it
         in place of ``query`` only where c cancels: normalized attention with no normalizer
         offset (module docstring). Gradients are exact there: the output is invariant to c.

@@ -17,7 +17,7 @@ checks them; the rules, which are part of the ``FeatureMap`` contract (``feature
    offset, or without normalization, c_i does not cancel and the plain ``query`` is used.
    Keys are never shifted: a per-key factor reweights keys, and a factor shared by all keys
    would have to look at other, later tokens (performer-pytorch's causal leak).
-2. **Refuse overflow.** Query features (when not stabilized) and key features must be finite
+2. **Refuse overflow.** Query features (stabilized or not) and key features must be finite
    in the input dtype (fp16 holds at most 65504; bf16 and fp32 about 3.4e38). Keys masked by
    ``key_padding_mask`` are exempt (they never enter the state).
 3. **Refuse a normalizer the guard would alter** (``stable_query`` maps, non-square, whose
@@ -126,15 +126,19 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
            initial_sums, asynchronous) -> None:  # fmt: skip
     dtype, name = phi_q.dtype, _label(feature_map)
     advice = range_advice(feature_map, dtype)
-    if not stabilized:
-        refuse_unless(
-            _rows_ok(phi_q, None),
-            f"query features of feature map {name} overflow {dtype} (or q holds NaN/Inf). "
-            "With denominator_offset != 0 or normalize=False a query row cannot be rescaled "
-            "exactly (denominator_offset=0 with normalize=True stabilizes queries exactly); "
-            f"{advice}",
-            asynchronous=asynchronous,
+    stable = getattr(feature_map, "stable_query", False)
+    hint = ""
+    if stable and not stabilized:
+        hint = (
+            "with denominator_offset != 0 or normalize=False a query row cannot be rescaled "
+            "exactly (denominator_offset=0 with normalize=True would stabilize them); "
         )
+    refuse_unless(
+        _rows_ok(phi_q, None),
+        f"query features of feature map {name} overflow {dtype} (or q holds NaN/Inf): "
+        f"{hint}{advice}",
+        asynchronous=asynchronous,
+    )
     keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
     refuse_unless(
         _rows_ok(phi_k, keep),
@@ -142,7 +146,7 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
         f"be rescaled exactly (a per-key factor reweights them): {advice}",
         asynchronous=asynchronous,
     )
-    if not getattr(feature_map, "stable_query", False) or feature_map.square:
+    if not stable or feature_map.square:
         return
     den, visible = _normalizers(
         phi_q, phi_k, causal=causal, key_padding_mask=key_padding_mask, initial_sums=initial_sums
