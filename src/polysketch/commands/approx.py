@@ -26,30 +26,15 @@ from pathlib import Path
 
 from .._files import atomic_write
 from ..features import available, create
+from ..nn import presets
 from ._common import add_overwrite_argument, fail, io_error, prepare_out_dir
 
 __all__ = ["POLYNOMIAL_MAPS", "SOFTMAX_MAPS", "add_parser", "run", "default_maps", "write_csv"]
 
-POLYNOMIAL_MAPS = (
-    "tensor_power",
-    "symmetric_power",
-    "fpa",
-    "tensorsketch",
-    "polysketch",
-    "llops",
-    "learned_polysketch",
-    "elu",
-    "taylor",
-    "elementwise_power",
-)
-SOFTMAX_MAPS = (
-    "trig",
-    "positive",
-    "complex_exp",
-    "hybrid_angular",
-    "hybrid_gaussian",
-    "hybrid_clustered",
-)
+# Derived from the maps' declared families: polynomial mode measures the polynomial maps and the
+# baselines with a kernel of their own (elu, taylor); softmax mode the softmax-kernel estimators.
+POLYNOMIAL_MAPS = tuple(available("polynomial", "own"))
+SOFTMAX_MAPS = tuple(sorted(presets.SOFTMAX_MAPS))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
