@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/polysketch demo
+	$(VENV)/bin/polysketch demo --overwrite  # the report in demo-report/ is regenerated on every run
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q

@@ -77,14 +77,15 @@ def test_approx_from_file_and_bad_source(tmp_path, capsys):
         "--source",
         str(tmp_path / "qk.pt"),
         "--out",
-        str(tmp_path),
+        str(tmp_path / "res"),  # not tmp_path itself: a non-empty --out is refused
         "--no-progress",
     ]
     assert main(argv) == 0
-    rows = _read(tmp_path / "results.csv")
+    rows = _read(tmp_path / "res" / "results.csv")
     assert len(rows) == 1 and float(rows[0]["rel_frobenius_mean"]) < 1e-12
     assert rows[0]["feature_dim"] == "6"  # C(3 + 1, 2)
     argv[argv.index("--source") + 1] = str(tmp_path / "missing.pt")
+    argv[argv.index("--out") + 1] = str(tmp_path / "res2")
     assert main(argv) == 2
     assert "source" in capsys.readouterr().err
 
@@ -200,6 +201,7 @@ def test_approx_fit_source_is_used_for_fitting(tmp_path, capsys):
         rmae[name] = float(row["rel_frobenius_mean"])
     assert rmae["same"] < 0.05 and rmae["other"] > 0.5, rmae
     argv[argv.index("--fit-source") + 1] = str(tmp_path / "missing.pt")
+    argv[argv.index("--out") + 1] = str(tmp_path / "bad")  # a fresh --out: not refused as full
     assert main(argv) == 2
     assert "--fit-source" in capsys.readouterr().err
 

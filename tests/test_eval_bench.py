@@ -123,7 +123,7 @@ def test_malloc_top_pad_is_set_on_glibc_and_reported(tmp_path, capsys):
     args = ["bench", "--quick", "--lengths", "128", "--no-progress", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     assert "mallopt(M_TOP_PAD, 1073741824)" in capsys.readouterr().out
-    assert cli.main([*args, "--default-malloc"]) == 0
+    assert cli.main([*args, "--default-malloc", "--overwrite"]) == 0  # same --out again
     assert "as found (no mallopt)" in capsys.readouterr().out
 
 

@@ -169,3 +169,14 @@ def test_bad_input_names_argument():
         complex_exp_features(u, omega, torch.eye(2), "query")
     with pytest.raises(ValueError, match="omega"):
         complex_exp_features(u, torch.randn(4, 2), None, "key")
+
+
+@pytest.mark.parametrize(
+    ("dim", "error"), [(0, ValueError), (-2, ValueError), (2.5, TypeError), ("3", TypeError)]
+)
+def test_bad_dim_is_refused_at_construction_naming_dim(dim, error):
+    # Before: torch.eye(dim) ran first and raised its own error (or built an empty A).
+    with pytest.raises(error, match=r"^dim must"):
+        ComplexExpRandomFeatures(dim)
+    with pytest.raises(error, match=r"^dim must"):
+        create("complex_exp", dim, seed=0)

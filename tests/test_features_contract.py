@@ -166,3 +166,175 @@ def test_bad_input_names_the_argument(name):
         fm.key(torch.ones(3, DIM, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"^x must"):
         fm.query([[0.0] * DIM])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(0, DIM), (2, 0, DIM), (0, 3, DIM)])
+def test_empty_leading_dims_give_empty_features(name, shape):
+    # README promises empty outputs for T = 0 or B = 0; tensorsketch's FFT used to fail on them.
+    fm = build(name)
+    x = torch.randn(*shape)
+    for out in (fm.query(x), fm.key(x)):
+        assert out.shape == (*shape[:-1], fm.feature_dim)
+    s, t = fm.approx_kernel(torch.randn(2, 0, DIM), torch.randn(2, 3, DIM)), None
+    t = fm.target_kernel(torch.randn(2, 0, DIM), torch.randn(2, 3, DIM))
+    assert s.shape == t.shape == (2, 0, 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_map_on_another_device_is_refused_naming_both_devices(name):
+    # Before: a map moved to "meta" returned uninitialized (meta) features for CPU inputs.
+    fm = build(name)
+    has_tensors = any(True for _ in fm.parameters()) or any(True for _ in fm.buffers())
+    fm = fm.to("meta")
+    x = torch.randn(3, DIM)
+    if not has_tensors:  # elu, taylor: nothing that could live elsewhere; features still right
+        assert fm.query(x).device == x.device
+        return
+    for role in (fm.query, fm.key):
+        with pytest.raises(ValueError, match=r"x is on cpu.*meta"):
+            role(x)
+
+
+# ----- the declared contract (family, hyperparameters, shared keywords) --------------------------
+SWEEP = {"degree": 2, "num_features": None, "seed": 0}
+
+
+def test_one_kwargs_dict_builds_every_map():
+    # issue 23 §4: create("symmetric_power", 64, degree=2, seed=0) and create("taylor", 64,
+    # seed=0) raised "unexpected keyword argument 'seed'", so no sweep with one dict could work.
+    for name in NAMES:
+        fm = features.create(name, 64, **SWEEP)
+        assert fm.name == name and fm.dim == 64
+        if features.get_class(name).takes("degree"):
+            assert fm.degree == 2
+    for name in ("symmetric_power", "taylor"):
+        assert features.create(name, 64, degree=2, seed=0).feature_dim > 0
+        assert features.create(name, 64, seed=0).feature_dim > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shared_num_features_is_taken_or_fixed_never_silently_changed(name):
+    cls = features.get_class(name)
+    if cls.takes("num_features"):
+        a = features.create(name, DIM, num_features=5, seed=0)
+        b = features.create(name, DIM, num_features=9, seed=0)
+        assert a.num_features == 5 and b.num_features == 9 and a.feature_dim < b.feature_dim
+        return
+    fixed = cls.fixed["num_features"]  # every map either takes num_features or fixes it
+    fm = features.create(name, DIM, degree=2, seed=0)
+    own = getattr(fm, fixed.attribute)
+    assert features.create(name, DIM, degree=2, num_features=own).feature_dim == fm.feature_dim
+    with pytest.raises(ValueError, match=rf"num_features={own + 1} conflicts.*fixed at {own}"):
+        features.create(name, DIM, degree=2, num_features=own + 1, seed=0)
+
+
+def test_fixed_and_unused_degree():
+    with pytest.raises(ValueError, match="degree=4 conflicts with taylor's degree.*fixed at 2"):
+        features.create("taylor", DIM, degree=4)
+    assert features.create("taylor", DIM, degree=2).degree == 2
+    for name in features.available("softmax") + ["elu"]:  # no degree: ignored
+        assert not features.get_class(name).takes("degree")
+        a = build(name, degree=3)
+        b = build(name)
+        x = torch.randn(4, DIM, dtype=torch.float64)
+        assert torch.equal(a.double().query(x), b.double().query(x))
+
+
+def test_seed_is_ignored_by_deterministic_maps_but_still_validated():
+    for name in ("tensor_power", "symmetric_power", "elu", "taylor"):
+        assert not features.get_class(name).takes("seed")
+        x = torch.randn(3, DIM)
+        a = features.create(name, DIM, seed=1)
+        b = features.create(name, DIM, seed=2, generator=None)
+        assert torch.equal(a.query(x), b.query(x))
+        with pytest.raises(ValueError, match="seed"):
+            features.create(name, DIM, seed=-1)
+        with pytest.raises(TypeError, match="generator"):
+            features.create(name, DIM, generator=3)
+
+
+def test_undeclared_keyword_is_refused():
+    # e.g. trig used to accept its base class's internal nonnegative=True, a false claim
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nonnegative'"):
+        features.create("trig", DIM, nonnegative=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'default_num_features'"):
+        features.create("positive", DIM, default_num_features=3)
+
+
+def _constructor_parameters(cls) -> dict:
+    """Keyword parameters of cls(dim, ...) and their defaults, following **kwargs up the MRO.
+
+    Introspection belongs here, in the test that checks the declarations, and nowhere in src.
+    """
+    import inspect
+
+    params: dict = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is FeatureMap:
+            continue
+        sig = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        for p in sig:
+            if p.kind is p.KEYWORD_ONLY and p.name not in params:
+                params[p.name] = p.default
+        if not any(p.kind is p.VAR_KEYWORD for p in sig):
+            break
+    return params
+
+
+INTERNAL = {"default_num_features", "nonnegative"}  # SoftmaxRandomFeatureMap's, for subclasses
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_declarations_match_the_constructor(name):
+    cls = features.get_class(name)
+    assert cls.family in features.base.FAMILIES
+    params = _constructor_parameters(cls)
+    if issubclass(cls, features.random_features.SoftmaxRandomFeatureMap):
+        params = {k: v for k, v in params.items() if k not in INTERNAL}
+    declared = cls.hyperparameters
+    assert set(declared) == set(params), name
+    for key, value in params.items():
+        default = declared[key].default
+        assert default is value or default == value, (name, key)
+        assert declared[key].meaning.strip(), (name, key)
+    # every shared keyword is taken, fixed or ignored; fixed ones name an attribute
+    for key, fixed in cls.fixed.items():
+        assert key in features.base.SHARED_KEYWORDS and not cls.takes(key)
+        assert hasattr(build(name), fixed.attribute)
+    if hasattr(cls, "fit"):
+        fit = _fit_parameters(cls)
+        assert cls.fit_keywords == fit, name
+    else:
+        assert cls.fit_keywords == frozenset()
+
+
+def _fit_parameters(cls) -> frozenset:
+    import inspect
+
+    sig = inspect.signature(cls.fit).parameters.values()
+    return frozenset(p.name for p in sig if p.kind is p.KEYWORD_ONLY or p.name == "clusters")
+
+
+def test_families_partition_the_registry():
+    by_family = [features.available(f) for f in features.base.FAMILIES]
+    assert sorted(sum(by_family, [])) == NAMES
+    assert features.available("softmax") == [
+        "complex_exp", "hedgehog", "hybrid_angular", "hybrid_clustered", "hybrid_gaussian",
+        "positive", "trig",
+    ]  # fmt: skip
+    assert features.available("own") == ["elu", "taylor"]
+    with pytest.raises(ValueError, match="families"):
+        features.available("gaussian")
+
+
+def test_register_requires_declarations():
+    class Undeclared(FeatureMap):
+        feature_dim = 1
+
+        def target_kernel(self, x, y):
+            return x @ y.transpose(-1, -2)
+
+    with pytest.raises(TypeError, match="hyperparameters"):
+        features.register("undeclared_map")(Undeclared)
+    assert "undeclared_map" not in features.available()

@@ -132,3 +132,12 @@ def test_bad_inputs_name_the_argument():
         mh.query(torch.randn(2, H + 1, 4, D))
     with pytest.raises(ValueError, match="unknown feature map"):
         MultiHeadFeatureMap("nope", D, H)
+
+
+def test_seed_beyond_64_bits_and_deterministic_maps_get_a_seed():
+    with pytest.raises(ValueError, match=r"^seed must be < 2\*\*64"):
+        MultiHeadFeatureMap("polysketch", D, H, seed=2**64)
+    # every map takes seed= now, deterministic ones ignore it: one code path for all
+    a, b = MultiHeadFeatureMap("taylor", D, H, seed=1), MultiHeadFeatureMap("taylor", D, H, seed=2)
+    x = torch.randn(2, H, 3, D)
+    assert torch.equal(a.query(x), b.query(x))

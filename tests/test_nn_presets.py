@@ -62,3 +62,24 @@ def test_defaults_by_map_kind_and_overrides():
         resolve_attention("polynomial", d, {"num_features": 3})
     with pytest.raises(TypeError, match="attention"):
         resolve_attention(3, d, {})
+
+
+def test_map_families_are_derived_from_the_declarations():
+    # The families used to be listed twice by hand with different members (here and in
+    # commands/approx.py); both now come from each map's declared ``family``.
+    from polysketch.commands import approx
+    from polysketch.features import get_class
+    from polysketch.nn import presets
+
+    assert presets.POLYNOMIAL_MAPS == set(available("polynomial"))
+    assert presets.SOFTMAX_TARGET_MAPS == set(available("softmax"))
+    assert presets.SOFTMAX_MAPS == presets.SOFTMAX_TARGET_MAPS - {"hedgehog"}
+    assert all(get_class(n).kind in ("unbiased", "exact") for n in presets.SOFTMAX_MAPS)
+    assert set(approx.POLYNOMIAL_MAPS) == presets.POLYNOMIAL_MAPS | {"elu", "taylor"}
+    assert set(approx.SOFTMAX_MAPS) == presets.SOFTMAX_MAPS
+    # the attention defaults follow the family: polynomial -> LayerNorm, offset 1
+    for name in available():
+        spec = resolve_attention(name, 8, {})
+        polynomial = get_class(name).family == "polynomial"
+        assert spec.qk_norm == polynomial and spec.denominator_offset == float(polynomial)
+        assert ("scale" in spec.map_kwargs) == (get_class(name).family == "softmax")

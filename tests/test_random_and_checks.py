@@ -68,3 +68,27 @@ def test_checks_name_the_argument():
         _checks.check_finite(torch.tensor([float("nan")]), "k")
     assert _checks.compute_dtype(torch.bfloat16) == torch.float32
     assert _checks.compute_dtype(torch.float64) == torch.float64
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -1, -(2**70)])
+def test_seed_out_of_64_bit_range_names_seed(seed):
+    # Before: seeds >= 2**64 reached Generator.manual_seed and raised an OverflowError-like
+    # "Overflow when unpacking long long" from deep inside torch.
+    with pytest.raises(ValueError, match=r"^seed must be"):
+        random.make_generator(seed)
+    from polysketch.features import create
+
+    with pytest.raises(ValueError, match=r"^seed must be"):
+        create("positive", 4, seed=seed)
+
+
+def test_seed_bool_and_float_are_type_errors_naming_seed():
+    for seed in (True, 1.5, "7"):
+        with pytest.raises(TypeError, match=r"^seed must be an int"):
+            random.make_generator(seed)
+
+
+def test_largest_64_bit_seed_is_accepted():
+    g = random.make_generator(2**64 - 1)
+    assert g.initial_seed() == 2**64 - 1
+    assert random.check_seed(0) == 0

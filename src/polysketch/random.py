@@ -15,6 +15,8 @@ import torch
 from ._checks import check_int, check_positive_int
 
 __all__ = [
+    "MAX_SEED",
+    "check_seed",
     "make_generator",
     "fresh_seed",
     "gaussian",
@@ -22,6 +24,22 @@ __all__ = [
     "randint",
     "orthogonal_gaussian",
 ]
+
+
+MAX_SEED = 2**64 - 1
+"""The largest seed ``torch.Generator.manual_seed`` takes (seeds are 64-bit unsigned)."""
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """Return ``seed`` as an int in [0, 2**64); raise naming ``name`` otherwise.
+
+    TypeError for a non-integer (bool included), ValueError for a negative seed or one beyond
+    64 bits (torch's generators hold 64-bit seeds and would fail with an overflow deep inside).
+    """
+    seed = check_int(seed, name, minimum=0)
+    if seed > MAX_SEED:
+        raise ValueError(f"{name} must be < 2**64 (a 64-bit unsigned seed), got {seed}")
+    return seed
 
 
 def fresh_seed(generator: torch.Generator | None = None) -> int:
@@ -49,7 +67,7 @@ def make_generator(
         return generator
     if seed is None:
         seed = fresh_seed()
-    seed = check_int(seed, "seed", minimum=0)
+    seed = check_seed(seed)
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return g

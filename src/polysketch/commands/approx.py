@@ -4,7 +4,8 @@ Polynomial mode (default) measures, for every polynomial map × degree p × feat
 relative Frobenius error, RMAE (LLoPS Eq. 21) and max relative error of φq(Q)φk(K)ᵀ against
 the map's target kernel on sampled queries/keys, next to the Eckart–Young optimum for a map
 of the same state size (LLoPS Thm 3.1). It prints a table and writes ``results.csv``,
-``optimal.csv`` and ``fidelity.png`` into ``--out``.
+``optimal.csv`` and ``fidelity.png`` into ``--out`` (a non-empty ``--out`` is refused unless
+``--overwrite``).
 
 Softmax mode (``--kernel softmax``) runs the hybrid-random-features experiments of
 ``polysketch.eval.softmax_fidelity``: the error of softmax-kernel estimators vs the angle
@@ -17,35 +18,23 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 import sys
 import time
 from pathlib import Path
 
+from .._files import atomic_write
 from ..features import available, create
+from ..nn import presets
+from ._common import add_overwrite_argument, fail, io_error, prepare_out_dir
 
 __all__ = ["POLYNOMIAL_MAPS", "SOFTMAX_MAPS", "add_parser", "run", "default_maps", "write_csv"]
 
-POLYNOMIAL_MAPS = (
-    "tensor_power",
-    "symmetric_power",
-    "fpa",
-    "tensorsketch",
-    "polysketch",
-    "llops",
-    "learned_polysketch",
-    "elu",
-    "taylor",
-    "elementwise_power",
-)
-SOFTMAX_MAPS = (
-    "trig",
-    "positive",
-    "complex_exp",
-    "hybrid_angular",
-    "hybrid_gaussian",
-    "hybrid_clustered",
-)
+# Derived from the maps' declared families: polynomial mode measures the polynomial maps and the
+# baselines with a kernel of their own (elu, taylor); softmax mode the softmax-kernel estimators.
+POLYNOMIAL_MAPS = tuple(available("polynomial", "own"))
+SOFTMAX_MAPS = tuple(sorted(presets.SOFTMAX_MAPS))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -102,6 +91,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="approx-results", help="output directory")
+    add_overwrite_argument(parser, "result files")
     parser.add_argument(
         "--target",
         choices=("map", "polynomial"),
@@ -200,16 +190,16 @@ def default_maps(family: tuple[str, ...], dim: int) -> tuple[list[str], list[str
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    """Write ``rows`` (union of their keys as columns, in first-seen order) to ``path``."""
+    """Write ``rows`` (union of their keys as columns, in first-seen order) to ``path``
+    (atomically, ``polysketch._files.atomic_write``)."""
     columns: list[str] = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write(Path(path), buffer.getvalue().encode())
 
 
 def _fmt(x, spec: str = ".3g") -> str:
@@ -414,8 +404,13 @@ def _run_softmax(args, out: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the measurement chosen by ``args`` (see ``add_parser``); returns the exit status."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.kernel == "softmax":
-        return _run_softmax(args, out)
-    return _run_polynomial(args, out)
+    try:
+        out = prepare_out_dir(args.out, overwrite=args.overwrite)
+    except ValueError as err:
+        return fail("approx", err)
+    try:
+        if args.kernel == "softmax":
+            return _run_softmax(args, out)
+        return _run_polynomial(args, out)
+    except OSError as err:
+        return fail("approx", io_error(err, out))

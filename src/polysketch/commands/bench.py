@@ -7,16 +7,17 @@ matmul peak measured in the same run, peak memory, the per-token decode time vs 
 the crossover length. ``--mode train`` times forward + backward instead, ``--dtype bf16``
 feeds half inputs (FlashAttention on CUDA), ``--device cuda`` measures peak memory, and
 ``--model`` times whole TransformerLM training steps. Writes ``results.csv`` and
-``bench.png`` into ``--out``. See ``polysketch.eval.bench`` for the FLOP and memory formulas.
+``bench.png`` (``--model``: ``model_results.csv``, ``model_bench.png``) into ``--out``; a
+non-empty ``--out`` is refused unless ``--overwrite``. See ``polysketch.eval.bench`` for the
+FLOP and memory formulas.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
-from .._checks import check_float, check_positive_int
+from .._checks import check_choice, check_float, check_positive_int
 from ..eval.bench import (
     DTYPES,
     MALLOC_TOP_PAD,
@@ -30,6 +31,7 @@ from ..eval.bench import (
     write_csv,
 )
 from ..eval.bench_model import run_model_bench
+from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
 
@@ -66,6 +68,7 @@ def add_arguments(parser) -> None:
         "would use its math backend; FlashAttention/memory-efficient kernels never build it)",
     )
     parser.add_argument("--out", default="bench-results", help="folder for CSV and PNG")
+    add_overwrite_argument(parser, "CSV and PNG")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--chunk-size", type=int, default=256, help="block size b")
     parser.add_argument("--min-time", type=float, default=None, help="seconds per measurement")
@@ -99,9 +102,33 @@ def add_arguments(parser) -> None:
 
 
 def run_from_args(args) -> int:
-    """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png."""
-    if args.model:
-        return run_model_bench(args)
+    """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png.
+
+    Bad options raise ``ValueError`` naming them (before anything runs); a device torch
+    cannot use here, a refused ``--out`` (non-empty without ``--overwrite``, a file,
+    unwritable) or a failed write return 2 with an ``error:`` line.
+    """
+    config = None if args.model else _config(args)
+    try:
+        check_device(args.device)
+        out = prepare_out_dir(args.out, overwrite=args.overwrite)
+    except ValueError as err:
+        return fail("bench", err)
+    try:
+        if args.model:
+            return run_model_bench(args)
+        result = run_benchmark(config)
+        csv_path = write_csv(result["rows"], out / "results.csv")
+        png_path = plot_results(result["rows"], out / "bench.png")
+    except OSError as err:
+        return fail("bench", io_error(err, out))
+    print(format_report(result))
+    print(f"\nwrote {csv_path} and {png_path}")
+    return 0
+
+
+def _config(args) -> BenchConfig:
+    """The ``BenchConfig`` of parsed ``args`` (ValueError naming a bad option)."""
     kw = dict(
         mode=args.mode,
         dtype=args.dtype,
@@ -115,20 +142,15 @@ def run_from_args(args) -> int:
         progress=not args.no_progress,
         malloc_top_pad=None if args.default_malloc else MALLOC_TOP_PAD,
     )
+    for name in kw["methods"]:
+        check_choice(name, "methods", METHODS)
     if args.lengths:
         kw["lengths"] = parse_lengths(args.lengths)
     if args.decode_positions:
         kw["decode_positions"] = parse_lengths(args.decode_positions)
     if args.min_time is not None:
         kw["min_time"] = check_float(args.min_time, "min_time", minimum=0.0)
-    config = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
-    result = run_benchmark(config)
-    out = Path(args.out)
-    csv_path = write_csv(result["rows"], out / "results.csv")
-    png_path = plot_results(result["rows"], out / "bench.png")
-    print(format_report(result))
-    print(f"\nwrote {csv_path} and {png_path}")
-    return 0
+    return BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

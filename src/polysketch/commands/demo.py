@@ -19,6 +19,12 @@ Three sections, each printing its table when it finishes:
 Every number comes from this run (with ``--sections fidelity`` alone, the captured q/k come
 from the models a previous run saved in ``--out/runs``, and the report says so). ``--quick``
 is a one-minute version (tiny model, few steps, short sequences) used by the tests.
+
+A non-empty ``--out`` is refused unless ``--overwrite`` is given, so no earlier report or
+trained model is lost. Reuse mode: when ``--sections`` has ``fidelity`` but not ``quality``,
+``--out`` may hold a previous demo's ``runs/`` (its models are read, never changed); an
+earlier report there (README.md, index.html, results.json, its PNGs and CSVs) is replaced
+only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ from ..eval.demo_sections import (
     section_quality,
     section_speed,
 )
+from ._common import check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["DemoSizes", "FULL", "CUDA_FULL", "QUICK", "SECTIONS", "add_parser", "run"]
 
 # The section runners live in polysketch.eval (demo_sections, demo_fidelity); this module parses
 # arguments and runs them. MAX_FEATURE_DIM and NOT_CALIBRATED are re-exported for old imports.
 SECTIONS = ("quality", "fidelity", "speed")
+REPORT_FILES = ("README.md", "index.html", "results.json")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -77,6 +85,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "contexts and lengths grow and training speed is timed against FlashAttention",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a non-empty --out, replacing its report (and, with the quality "
+        "section, its runs/); without quality, --out may hold the runs/ to reuse",
+    )  # fmt: skip
     parser.set_defaults(func=run)
     return parser
 
@@ -108,6 +121,11 @@ def run(args) -> int:
         raise ValueError(
             f"device must be a torch device such as cpu or cuda, got {args.device!r}"
         ) from err
+    try:
+        check_device(args.device)
+        _check_out(args)
+    except ValueError as err:
+        return fail("demo", err)
     sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
     if args.steps is not None:
         sizes = replace(sizes, steps=check_positive_int(args.steps, "steps"))
@@ -118,6 +136,25 @@ def run(args) -> int:
         return _run(args, sizes)
     finally:
         torch.set_num_threads(threads)
+
+
+def _check_out(args) -> None:
+    """Refuse an --out whose contents the demo would replace unasked (see the module doc)."""
+    out = Path(args.out)
+    if "quality" in args.sections or "fidelity" not in args.sections:
+        prepare_out_dir(out, overwrite=args.overwrite)
+        return
+    # reuse mode: the models of --out/runs are read; only the demo's own outputs are refused
+    held = sorted(
+        p.name for p in (out.iterdir() if out.is_dir() else ())
+        if p.name in REPORT_FILES or p.suffix in (".png", ".csv")
+    )  # fmt: skip
+    if held and not args.overwrite:
+        raise ValueError(
+            f"--out {out} already holds a report ({', '.join(held[:4])}): pass --overwrite to "
+            f"replace it (the models in {out / 'runs'} are only read), or choose another --out"
+        )
+    prepare_out_dir(out, overwrite=True)  # a file or an unwritable folder is still refused
 
 
 def _run(args, sizes: DemoSizes) -> int:
@@ -162,11 +199,14 @@ def _run(args, sizes: DemoSizes) -> int:
         [[n, t] for n, t in timings.items()] + [["total", sum(timings.values())]],
     )
     report.blocks += body.blocks
-    md, page = report.write(out)
-    with open(out / "results.json", "w", encoding="utf-8") as fh:
-        json.dump(
-            _finite({"machine": machine, "seconds": timings, "sizes": sizes.__dict__,
-                     "failed": failures, **results}), fh, indent=1,
-        )  # fmt: skip
+    try:
+        md, page = report.write(out)
+        with open(out / "results.json", "w", encoding="utf-8") as fh:
+            json.dump(
+                _finite({"machine": machine, "seconds": timings, "sizes": sizes.__dict__,
+                         "failed": failures, **results}), fh, indent=1,
+            )  # fmt: skip
+    except OSError as err:
+        return fail("demo", io_error(err, out))
     print(f"wrote {md}, {page} and {out / 'results.json'}")
     return 1 if failures else 0

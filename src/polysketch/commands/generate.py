@@ -4,19 +4,21 @@ Rebuilds the ``TransformerLM`` from the checkpoint's model config and weights (t
 maps' random buffers included), encodes ``--prompt`` with the byte tokenizer and appends
 ``--max-new-tokens`` tokens decoded with the model's constant-size recurrent state (or KV
 cache for softmax / polynomial attention). ``--temperature 0`` (or ``--top-k 1``) is greedy;
-otherwise sampling is seeded by ``--seed``. Prints prompt + continuation.
+otherwise sampling is seeded by ``--seed``. Prints prompt + continuation. The checkpoint is
+loaded without running code from it and verified against its checksum: a crafted, damaged or
+mismatched file is refused with an error naming it.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from ..data.tokenizer import ByteTokenizer
 from ..nn import TransformerConfig, TransformerLM
-from ..train import load_checkpoint
+from ..train import CheckpointError, load_checkpoint
+from ._common import check_device, fail
 
 __all__ = ["add_parser", "run", "load_model"]
 
@@ -42,21 +44,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def load_model(path, device: str | torch.device | None = None) -> tuple[TransformerLM, dict]:
-    """The ``TransformerLM`` of a training checkpoint (eval mode) and the checkpoint dict."""
+    """The ``TransformerLM`` of a training checkpoint (eval mode) and the checkpoint dict.
+
+    Raises ``CheckpointError`` (a ``ValueError`` naming the file) for a refused, damaged or
+    foreign checkpoint, or one whose model config does not fit its weights.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     state = load_checkpoint(path, map_location=device, restore_rng=False)
     if "model_config" not in state or "model" not in state:
-        raise ValueError(f"checkpoint {path} was not written by `polysketch train`")
-    model = TransformerLM(TransformerConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
+        raise CheckpointError(f"checkpoint {path} was not written by `polysketch train`")
+    try:
+        model = TransformerLM(TransformerConfig(**state["model_config"]).validate())
+        model.load_state_dict(state["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise CheckpointError(
+            f"checkpoint {path}: its model_config does not fit its weights "
+            f"({type(err).__name__}: {detail})"
+        ) from None
     return model.to(device).eval(), state
 
 
 def run(args: argparse.Namespace) -> int:
     """Print ``--num-samples`` continuations of ``--prompt``; 2 on bad input."""
     try:
-        model, state = load_model(args.checkpoint, args.device)
+        model, state = load_model(args.checkpoint, check_device(args.device))
         source = state.get("metadata", {}).get("source", {})
         if source.get("task") == "mqar":
             raise ValueError(
@@ -76,9 +89,8 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             generator=torch.Generator().manual_seed(args.seed),
         )
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"polysketch generate: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, OSError) as err:
+        return fail("generate", err)
     for i, row in enumerate(out.cpu()):
         if i:
             print("-" * 40)

@@ -7,7 +7,10 @@ or any feature-map name), trains the added modules to match each layer's softmax
 reports the validation loss / perplexity of the original, after conversion, after stage 1
 and after stage 2, with the decode-state size against the KV cache. Writes into ``--out``
 (atomically): ``results.json``, ``results.csv``, ``linearize.png`` and the converted model
-(``model/``, reload it with ``polysketch.integrations.transformers.load_converted``).
+(``model/``, reload it with ``polysketch.integrations.transformers.load_converted``); a
+non-empty ``--out`` is refused unless ``--overwrite``. ``--model`` must be a folder; with
+``--finetune lora`` (the default) the LoRA targets are checked against the model before any
+conversion or training.
 Needs the ``hf`` extra (``pip install polysketch[hf]``). The data are byte-tokenized
 (``polysketch.data``): the model must have a byte vocabulary (>= 256 ids).
 """
@@ -18,34 +21,16 @@ import argparse
 import csv
 import io
 import json
-import os
-import sys
-import tempfile
 from pathlib import Path
 
+from .._files import atomic_write, replace_dir
 from ..nn import valid_attentions
-from .train import ERROR_EXIT, parse_map_kwargs
+from ._common import fail, io_error, prepare_out_dir
+from .train import parse_map_kwargs
 
 __all__ = ["add_parser", "run", "linearize_saved", "write_csv", "write_json", "plot_results"]
 
 STAGES = ("original", "converted", "transfer", "finetune")
-
-
-def _atomic_write(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a temporary file beside ``path``, then ``os.replace`` it there."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _summary_row(res: dict) -> dict:
@@ -71,11 +56,11 @@ def write_csv(results: list[dict], path) -> Path:
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    return _atomic_write(Path(path), buf.getvalue().encode())
+    return atomic_write(Path(path), buf.getvalue().encode())
 
 
 def write_json(results: list[dict], path) -> Path:
-    return _atomic_write(Path(path), json.dumps(results, indent=1).encode())
+    return atomic_write(Path(path), json.dumps(results, indent=1).encode())
 
 
 def plot_results(results: list[dict], path) -> Path:
@@ -110,29 +95,12 @@ def plot_results(results: list[dict], path) -> Path:
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)
     pyplot().close(fig)
-    return _atomic_write(Path(path), buf.getvalue())
+    return atomic_write(Path(path), buf.getvalue())
 
 
 def _save_model_atomically(model, path: Path) -> Path:
-    """``save_pretrained`` into a temporary directory, then swap it into ``path``."""
-    import shutil
-
-    path = Path(path)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
-        model.save_pretrained(tmp)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    """``save_pretrained`` into a temporary folder, then swap it into ``path``."""
+    return replace_dir(path, model.save_pretrained)
 
 
 def linearize_saved(
@@ -150,6 +118,7 @@ def linearize_saved(
     finetune_lr: float = 1e-3,
     finetune: str = "lora",
     lora_rank: int = 8,
+    lora_targets=None,
     eval_batches: int = 16,
     chunk_size: int = 64,
     seed: int = 0,
@@ -184,8 +153,8 @@ def linearize_saved(
         seq_len=seq_len, batch_size=batch_size, transfer_batch_size=transfer_batch_size,
         transfer_steps=transfer_steps,
         transfer_lr=transfer_lr, finetune_steps=finetune_steps, finetune_lr=finetune_lr,
-        finetune=finetune, lora_rank=lora_rank, eval_batches=eval_batches, seed=seed,
-        progress=progress,
+        finetune=finetune, lora_rank=lora_rank, lora_targets=lora_targets,
+        eval_batches=eval_batches, seed=seed, progress=progress,
     )  # fmt: skip
     torch.manual_seed(seed)
     model, res = linearize(
@@ -229,13 +198,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="psf_mixed", choices=valid_attentions(), metavar="NAME",
                    help="preset or feature-map name")  # fmt: skip
     p.add_argument("--data", default="shakespeare", help="shakespeare, stdlib or a text path")
-    p.add_argument("--out", type=Path, default=Path("linearize-out"))
+    p.add_argument(
+        "--out", type=Path, default=Path("linearize-out"),
+        help="folder for results.json, results.csv, linearize.png and the converted model/ "
+        "(refused if not empty, unless --overwrite)",
+    )  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a non-empty --out, replacing the results and model/ there",
+    )  # fmt: skip
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--transfer-batch-size",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS,  # no "(default: None)" beside the real default below
         help="sequences per transfer step (default: --batch-size)",
     )
     p.add_argument("--transfer-steps", type=int, default=100)
@@ -244,6 +221,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--finetune", choices=["lora", "full", "none"], default="lora")
     p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument(
+        "--lora-targets", nargs="+", default=None, metavar="NAME",
+        help="module names LoRA adapts (default: the linear layers of the attention modules); "
+        "checked against the model before any work",
+    )  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword")
@@ -260,14 +242,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _check_model_dir(model) -> Path:
+    """--model must be a folder written by save_pretrained (checked before transformers)."""
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"--model {path} does not exist: give the folder written by save_pretrained"
+        )
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model {path} is not a folder written by save_pretrained (no config.json in it)"
+        )
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
+    """Linearize ``--model``; print the table. 2 (with an ``error:`` line) on bad input."""
+    try:
+        _check_model_dir(args.model)
+        out = prepare_out_dir(args.out, overwrite=args.overwrite)
+    except ValueError as err:
+        return fail("linearize", err)
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print(
-            "polysketch linearize needs transformers: pip install polysketch[hf]", file=sys.stderr
-        )
-        return ERROR_EXIT
+        return fail("linearize", "needs transformers: pip install polysketch[hf]")
     if args.threads:
         import torch
 
@@ -277,17 +276,20 @@ def run(args: argparse.Namespace) -> int:
         if args.mixed:
             map_kwargs["mixed"] = True
         res = linearize_saved(
-            args.model, args.attention, args.data, out=args.out, seq_len=args.seq_len,
-            batch_size=args.batch_size, transfer_batch_size=args.transfer_batch_size,
+            args.model, args.attention, args.data, out=out, seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            transfer_batch_size=getattr(args, "transfer_batch_size", None),
             transfer_steps=args.transfer_steps,
             finetune_steps=args.finetune_steps, transfer_lr=args.transfer_lr,
             finetune_lr=args.finetune_lr, finetune=args.finetune, lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets,
             eval_batches=args.eval_batches, chunk_size=args.chunk_size, seed=args.seed,
             map_kwargs=map_kwargs, max_bytes=args.max_bytes,
         )  # fmt: skip
-    except (ValueError, TypeError, OSError) as err:
-        print(f"polysketch linearize: error: {err}", file=sys.stderr)
-        return ERROR_EXIT
+    except OSError as err:
+        return fail("linearize", io_error(err, out))
+    except (ValueError, TypeError, ImportError) as err:
+        return fail("linearize", err)
     _print_table(res)
-    print(f"wrote {args.out}/results.json, results.csv, linearize.png, model/")
+    print(f"wrote {out}/results.json, results.csv, linearize.png, model/")
     return 0

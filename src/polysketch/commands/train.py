@@ -4,30 +4,72 @@ Trains the byte-level language model of ``polysketch.nn.TransformerLM`` with any
 (``--attention``: a feature-map name, ``softmax``, ``polynomial`` or a PolySketchFormer preset;
 ``--map-kw key=value`` passes keywords to the feature map) on ``--corpus`` (``shakespeare``,
 ``stdlib`` or a path to a text file / folder) or on the MQAR recall task (``--task mqar``).
-Writes ``metrics.csv``, ``metrics.jsonl`` and the checkpoint ``ckpt.pt`` into ``--out``;
-``--resume`` continues from it exactly (configs and data source come from the checkpoint;
-``--steps`` may extend the run). Under ``torchrun --nproc_per_node=N -m polysketch train ...``
-it trains data-parallel (DDP); ``--batch-size`` is the global batch.
+Writes ``metrics.csv``, ``metrics.jsonl`` and the checkpoint ``ckpt.pt`` into ``--out``; a
+non-empty ``--out`` is refused unless ``--resume`` (continue its run) or ``--overwrite``
+(replace it). ``--resume`` continues from the checkpoint exactly: configs and data source
+come from it (a model, data or optimization flag given with ``--resume`` is ignored, with a
+warning); ``--steps`` may extend the run, ``--device`` and ``--compile`` apply. Under
+``torchrun --nproc_per_node=N -m polysketch train ...`` it trains data-parallel (DDP);
+``--batch-size`` is the global batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import fields
 from pathlib import Path
 
 from .._checks import parse_key_values
+from .._files import temporary_pattern
 from ..data.corpus import load_corpus
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig, TransformerLM, valid_attentions
-from ..train import CHECKPOINT_NAME, MQARData, TrainConfig, load_checkpoint, train
+from ..train import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    MQARData,
+    TrainConfig,
+    load_checkpoint,
+    train,
+)
 from ..train.distributed import env_world_size, rank_slice
+from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
 
-__all__ = ["add_parser", "run", "parse_map_kwargs", "load_data", "ERROR_EXIT"]
+__all__ = ["add_parser", "run", "parse_map_kwargs", "load_data", "ERROR_EXIT", "RESUME_FLAGS"]
 
-ERROR_EXIT = 2
+RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite")
+"""The options ``--resume`` honours; every other option is the checkpoint's (warned about)."""
+
+_ACTIONS = {
+    "store": argparse._StoreAction,
+    "store_true": argparse._StoreTrueAction,
+    "append": argparse._AppendAction,
+}
+
+
+def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
+    """``base`` that also records, in ``namespace.given``, the options the user typed."""
+
+    class Recording(base):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            given = dict(getattr(namespace, "given", None) or {})
+            given[self.dest] = max(self.option_strings, key=len)
+            namespace.given = given
+
+    return Recording
+
+
+class _Recorded:
+    """An argument group whose ``add_argument`` records the options given (``_recording``)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def add_argument(self, *names, **kwargs):
+        kwargs["action"] = _recording(_ACTIONS[kwargs.get("action", "store")])
+        return self.group.add_argument(*names, **kwargs)
 
 
 def parse_map_kwargs(items: list[str] | None) -> dict:
@@ -44,8 +86,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    data = p.add_argument_group("data")
-    src = data.add_mutually_exclusive_group()
+    p.set_defaults(given=None)
+    data = _Recorded(p.add_argument_group("data"))
+    src = _Recorded(data.group.add_mutually_exclusive_group())
     src.add_argument("--corpus", default="shakespeare", help="shakespeare | stdlib | PATH")
     src.add_argument("--task", choices=["mqar"], default=None, help="synthetic task instead")
     data.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
@@ -56,7 +99,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--mqar-train", type=int, default=20000, help="training examples")
     data.add_argument("--mqar-val", type=int, default=1000, help="validation examples")
 
-    model = p.add_argument_group("model")
+    model = _Recorded(p.add_argument_group("model"))
     model.add_argument("--attention", default=mdef.attention)
     model.add_argument(
         "--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword (repeat)"
@@ -76,7 +119,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
     )  # fmt: skip
 
-    opt = p.add_argument_group("optimization")
+    opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
     opt.add_argument("--batch-size", type=int, default=tdef.batch_size, help="global batch")
     opt.add_argument("--lr", type=float, default=tdef.lr)
@@ -99,9 +142,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="train the first N steps with exact polynomial attention, then the sketch",
     )
 
-    out = p.add_argument_group("output")
-    out.add_argument("--out", default="runs/train", help="folder for metrics and ckpt.pt")
-    out.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    out = _Recorded(p.add_argument_group("output"))
+    out.add_argument(
+        "--out", default="runs/train",
+        help="folder for metrics and ckpt.pt (refused if not empty, unless --resume or "
+        "--overwrite)",
+    )  # fmt: skip
+    out.add_argument(
+        "--resume", action="store_true",
+        help="continue from OUT/ckpt.pt (its configs win: model, data and optimization flags "
+        "are ignored, with a warning; --steps, --device, --compile apply)",
+    )  # fmt: skip
+    out.add_argument(
+        "--overwrite", action="store_true",
+        help="train into a non-empty --out, replacing the run there (its ckpt.pt and metrics)",
+    )  # fmt: skip
     out.add_argument("--eval-interval", type=int, default=tdef.eval_interval)
     out.add_argument("--eval-batches", type=int, default=tdef.eval_batches)
     out.add_argument("--log-interval", type=int, default=tdef.log_interval)
@@ -165,10 +220,20 @@ def _configs_from_args(args):
 
 
 def _configs_from_checkpoint(args):
-    state = load_checkpoint(Path(args.out) / CHECKPOINT_NAME, restore_rng=False)
-    model_config = TransformerConfig(**state["model_config"])
-    names = {f.name for f in fields(TrainConfig)}
-    tc = {k: v for k, v in state["train_config"].items() if k in names}
+    path = Path(args.out) / CHECKPOINT_NAME
+    state = load_checkpoint(path, restore_rng=False)
+    try:
+        model_config = TransformerConfig(**state["model_config"]).validate()
+        names = {f.name for f in fields(TrainConfig)}
+        tc = {k: v for k, v in state["train_config"].items() if k in names}
+        source = state["metadata"]["source"]
+        if not isinstance(source, dict) or source.get("task") not in ("mqar", "corpus"):
+            raise ValueError(f"unknown data source {source!r}")
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} was not written by `polysketch train` or does not fit this "
+            f"version ({type(err).__name__}: {err})"
+        ) from None
     tc["out_dir"] = str(args.out)
     if args.steps is not None:
         tc["steps"] = args.steps
@@ -176,7 +241,35 @@ def _configs_from_checkpoint(args):
         tc["device"] = args.device
     if args.compile is not None:
         tc["compile"] = args.compile
-    return model_config, TrainConfig(**tc).validate(), state["metadata"]["source"]
+    train_config = TrainConfig(**tc).validate()
+    check_device(train_config.device, "--device" if args.device else "--device (the checkpoint's)")
+    _warn_ignored(args, state)
+    return model_config, train_config, source
+
+
+def _warn_ignored(args, state: dict) -> None:
+    """One warning line per option given with --resume that the checkpoint's config overrides."""
+    configs = {**state.get("train_config", {}), **state.get("model_config", {})}
+    configs["rope"] = state.get("model_config", {}).get("rope")
+    aliases = {"no_rope": "rope", "map_kw": "map_kwargs"}
+    for dest, flag in (args.given or {}).items():
+        if dest in RESUME_FLAGS:
+            continue
+        key = aliases.get(dest, dest)
+        if key in configs:
+            kept = f"the checkpoint's {key}={configs[key]!r} is used"
+        else:
+            kept = "the checkpoint's data source is used"
+        warn("train", f"{flag} is ignored with --resume ({kept})")
+
+
+def _replace_previous_run(out: Path) -> None:
+    """--overwrite: remove the files of the run in ``out`` (checkpoint, metrics, temporaries)."""
+    doomed = [out / CHECKPOINT_NAME, out / "metrics.csv", out / "metrics.jsonl"]
+    doomed += sorted(out.glob(temporary_pattern(out / CHECKPOINT_NAME)))
+    for path in doomed:
+        if path.is_file() or path.is_symlink():
+            path.unlink()
 
 
 def load_data(source: dict):
@@ -196,10 +289,23 @@ def load_data(source: dict):
 def run(args: argparse.Namespace) -> int:
     """Train; print the final validation loss and where the checkpoint is. 2 on bad input."""
     try:
+        out = Path(args.out)
+        if args.resume and args.overwrite:
+            raise ValueError(
+                "--resume continues the run in --out, --overwrite replaces it: not both"
+            )
         if args.resume:
+            if out.exists() and not out.is_dir():
+                raise ValueError(f"--out {out} is a file, not a folder: choose another --out")
             model_config, train_config, source = _configs_from_checkpoint(args)
         else:
+            check_device(args.device)
             model_config, train_config, source = _configs_from_args(args)
+            has_run = (out / CHECKPOINT_NAME).is_file()
+            hint = ", --resume to continue the run there" if has_run else ""
+            prepare_out_dir(out, overwrite=args.overwrite, hint=hint)  # every rank refuses
+            if args.overwrite and int(os.environ.get("RANK", "0")) == 0:  # rank 0 owns --out
+                _replace_previous_run(out)
         # fail before loading data when the batch cannot be split over ranks
         rank_slice(train_config.batch_size, env_world_size(), 0, train_config.grad_accum)
         data = load_data(source)
@@ -211,9 +317,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             metadata={"source": source},
         )
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"polysketch train: error: {err}", file=sys.stderr)
-        return ERROR_EXIT
+    except (ValueError, TypeError, OSError) as err:
+        return fail("train", err)
     if int(os.environ.get("RANK", "0")) == 0:
         val = history["val"][-1] if history["val"] else None
         model = history["model"]

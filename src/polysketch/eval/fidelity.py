@@ -25,7 +25,6 @@ largest score are measured relative to that floor. ``rel_floor=0`` gives Eq. 21 
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -35,8 +34,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_choice, check_float, check_int, check_positive_int, check_tensor
 from ..features import FeatureMap, get_class
-from ..random import fresh_seed, make_generator
-from .optimal_rank import (
+from ..features.optimal_rank import (
     OptimalError,
     check_qk,
     fitted_optimum,
@@ -46,6 +44,7 @@ from .optimal_rank import (
     optimal_rank_error_of,
     polynomial_target,
 )
+from ..random import fresh_seed, make_generator
 
 __all__ = [
     "polynomial_target",
@@ -126,37 +125,6 @@ def max_relative_error(
 
 
 # ----- evaluating maps ---------------------------------------------------------------------
-def _keywords(fn) -> set[str] | None:
-    """Keyword names callable ``fn`` accepts (None when it takes **kwargs)."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params}
-
-
-def _constructor_keywords(cls: type) -> set[str] | None:
-    """Keyword names ``cls.__init__`` accepts.
-
-    A constructor that forwards ``**kwargs`` to its base class accepts the base's keywords
-    too, so the classes of the MRO are walked until one takes no ``**kwargs``; None only when
-    every constructor up to ``FeatureMap`` forwards ``**kwargs``.
-    """
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass is object:
-            continue
-        keywords = _keywords(klass.__init__)
-        if keywords is not None:
-            return names | keywords
-        params = inspect.signature(klass.__init__).parameters.values()
-        names |= {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    return None
-
-
-def _accepts(keywords: set[str] | None, name: str) -> bool:
-    return keywords is None or name in keywords
-
-
 def _mean_std(values: list[float]) -> tuple[float, float]:
     t = torch.tensor(values, dtype=torch.float64)
     std = float(t.std()) if t.numel() > 1 else 0.0
@@ -168,18 +136,19 @@ def _fit(
 ) -> None:
     """Calibrate a learnable map (one with a ``fit`` method, e.g. LLoPS) on sampled q, k:
     ``steps`` optimiser steps from start ``init`` (the map's default when None) at ``lr``
-    (the map's default when None)."""
-    keywords = _keywords(feature_map.fit)
+    (the map's default when None). Which keywords ``fit`` takes is the map's declared
+    ``fit_keywords``."""
+    keywords = type(feature_map).fit_keywords
     kwargs = {"steps": steps}
     for key, value in (("init", init), ("lr", lr)):
         if value is None:
             continue
-        if not _accepts(keywords, key):
+        if key not in keywords:
             raise TypeError(f"fit_{key}: {type(feature_map).__name__}.fit takes no {key}=")
         kwargs[key] = value
-    if _accepts(keywords, "progress"):
+    if "progress" in keywords:
         kwargs["progress"] = False
-    if _accepts(keywords, "seed"):
+    if "seed" in keywords:
         kwargs["seed"] = seed
     with torch.enable_grad():
         feature_map.fit(q_fit, k_fit, **kwargs)
@@ -208,13 +177,14 @@ def evaluate_map(
 
     Args:
         name: a registry name (built with ``create(name, D, degree=, num_features=, seed=,
-            **map_kwargs)``, passing only the keywords its constructor accepts) or a
+            **map_kwargs)``, passing degree and num_features only to maps that declare them as
+            hyperparameters, ``FeatureMap.takes``) or a
             ``FeatureMap`` instance (deep-copied; random ones are redrawn per trial).
         q, k: (..., Nq, D), (..., Nk, D) samples; use float64 for meaningful small errors.
         degree: p, passed to maps that take ``degree=``.
         num_features: F asked (None: the map's default), passed to maps that take it.
         trials: number of seeded draws for random maps (maps without randomness, i.e. neither
-            ``is_random`` nor a ``seed=`` keyword, are evaluated once).
+            ``is_random`` nor a ``seed`` hyperparameter, are evaluated once).
         seed: base seed; trial t uses the t-th seed drawn from ``make_generator(seed)``.
         rel_floor: denominator guard of RMAE / max relative error (module docstring).
         optimum_floor: when the optimal relative error at rank ``state_dim`` (mean over
@@ -276,13 +246,12 @@ def evaluate_map(
     elif isinstance(name, str):
         cls = get_class(name)
         label = name
-        keywords = _constructor_keywords(cls)
         kwargs = dict(map_kwargs)
-        if _accepts(keywords, "degree"):
+        if cls.takes("degree"):
             kwargs.setdefault("degree", degree)
-        if num_features is not None and _accepts(keywords, "num_features"):
+        if num_features is not None and cls.takes("num_features"):
             kwargs.setdefault("num_features", num_features)
-        stochastic = bool(cls.is_random) or (keywords is not None and "seed" in keywords)
+        stochastic = bool(cls.is_random) or cls.takes("seed")
 
         def build(trial_seed: int) -> FeatureMap:
             extra = {"seed": trial_seed} if stochastic and "generator" not in kwargs else {}
@@ -381,8 +350,9 @@ def sweep(
 ) -> list[dict]:
     """``evaluate_map`` over maps × degrees × feature dims, with a tqdm progress bar.
 
-    Maps whose constructor has no ``num_features=`` (exact maps such as ``tensor_power``,
-    whose F is fixed by D and p) are evaluated once per degree (``num_features`` None).
+    Maps that do not declare ``num_features`` as a hyperparameter (exact maps such as
+    ``tensor_power``, whose F is fixed by D and p) are evaluated once per degree
+    (``num_features`` None).
     A combination the map refuses (its constructor raises ValueError/TypeError, e.g. an
     unsupported degree) or whose ``feature_dim`` exceeds ``max_feature_dim`` (the N×F
     feature matrices would be too large) gives a row ``{"map", "degree", "num_features",
@@ -406,11 +376,11 @@ def sweep(
     jobs, rows = [], []
     for name in names:
         try:
-            keywords = _constructor_keywords(get_class(name))
+            cls = get_class(name)
         except (ValueError, TypeError) as err:  # unknown name: one skipped row, no crash
             rows.append(_skipped(name, None, None, f"{type(err).__name__}: {err}"))
             continue
-        dims = feature_dims if _accepts(keywords, "num_features") else [None]
+        dims = feature_dims if cls.takes("num_features") else [None]
         jobs.extend((name, p, f) for p in degrees for f in dims)
 
     bar = tqdm(jobs, desc="fidelity", disable=not progress, unit="map")
@@ -419,14 +389,12 @@ def sweep(
         kwargs = dict(map_kwargs.get(name, {}))
         try:
             probe = get_class(name)
-            keywords = _constructor_keywords(probe)
             ctor = dict(kwargs)
-            if _accepts(keywords, "degree"):
+            if probe.takes("degree"):
                 ctor["degree"] = degree
-            if f is not None and _accepts(keywords, "num_features"):
+            if f is not None and probe.takes("num_features"):
                 ctor["num_features"] = f
-            if keywords is None or "seed" in keywords:
-                ctor.setdefault("seed", seed)
+            ctor.setdefault("seed", seed)  # every map takes seed= (deterministic ones ignore it)
             fdim = int(probe(q.shape[-1], **ctor).feature_dim)
             if fdim > max_feature_dim:
                 rows.append(_skipped(name, degree, f, f"feature_dim {fdim} > {max_feature_dim}"))

@@ -139,7 +139,8 @@ MAP_NAMES = {
 def _approx(argv: list[str], out: Path) -> list[dict]:
     from ..cli import main
 
-    status = main([*argv, "--out", str(out), "--no-progress"])
+    # --overwrite: this driver owns ``out`` and re-measures into it (--reuse-captures)
+    status = main([*argv, "--out", str(out), "--overwrite", "--no-progress"])
     if status != 0:
         raise RuntimeError(f"polysketch {' '.join(argv)} exited with {status}")
     with open(out / "results.csv", newline="") as f:

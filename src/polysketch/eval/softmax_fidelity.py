@@ -19,7 +19,6 @@ the best case of the clustering-based HRF), on the data rows in ``dataset_mse``.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 
@@ -56,27 +55,9 @@ def _map_names(maps) -> list[str]:
     return names
 
 
-def _accepts(fn, name: str) -> bool:
-    params = inspect.signature(fn).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _init_accepts(cls: type, name: str) -> bool:
-    """Whether ``cls(dim, name=...)`` is accepted, following ``**kwargs`` up the MRO."""
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        if any(p.name == name for p in params):
-            return True
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return False
-    return False
-
-
 def _build(name: str, dim: int, num_features: int, lambda_features: int, seed: int) -> FeatureMap:
     kwargs = {"num_features": num_features, "seed": seed}
-    if _init_accepts(get_class(name), "lambda_features"):
+    if get_class(name).takes("lambda_features"):
         kwargs["lambda_features"] = lambda_features
     feature_map = create(name, dim, **kwargs).to(torch.float64)
     if feature_map.kind not in ("unbiased", "exact") or feature_map.square:
@@ -89,7 +70,7 @@ def _build(name: str, dim: int, num_features: int, lambda_features: int, seed: i
 
 
 def _fits_clusters(feature_map: FeatureMap) -> bool:
-    return hasattr(feature_map, "fit") and _accepts(feature_map.fit, "clusters")
+    return "clusters" in type(feature_map).fit_keywords
 
 
 def _estimates(feature_map: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Fixed, Hyperparameter, register
 
 __all__ = ["EluFeatures", "TaylorFeatures", "ElementwisePower"]
 
@@ -42,6 +42,9 @@ class EluFeatures(FeatureMap):
     """
 
     kind = "approximate"
+    family = "own"
+    hyperparameters = {}
+    fixed = {"num_features": Fixed("feature_dim", "dim (F = D)")}
 
     def __init__(self, dim: int):
         super().__init__(dim, nonnegative=True)
@@ -74,6 +77,15 @@ class TaylorFeatures(FeatureMap):
     """
 
     kind = "approximate"
+    family = "own"
+    hyperparameters = {
+        "scale": Hyperparameter(None, "s > 0 in s = scale·x·y (None: 1/√D, as BASED)"),
+    }
+    fixed = {
+        "degree": Fixed("degree", "the map (a second-order Taylor expansion)"),
+        "num_features": Fixed("feature_dim", "dim (F = 1 + D + D²)"),
+    }
+    degree = 2
 
     def __init__(self, dim: int, *, scale: float | None = None):
         super().__init__(dim, nonnegative=True)
@@ -116,6 +128,14 @@ class ElementwisePower(FeatureMap):
 
     kind = "approximate"
     is_random = True
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, the element-wise power"),
+        "num_features": Hyperparameter(None, "F >= 1, rows of Θ (None: D)"),
+        "trainable": Hyperparameter(True, "Θ is an nn.Parameter (else a fixed buffer)"),
+        "seed": Hyperparameter(None, "seed of the draw of Θ"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw of Θ (not with seed)"),
+    }
 
     def __init__(
         self,

@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_finite, check_tensor
-from .base import register
-from .random_features import SoftmaxRandomFeatureMap, _check_directions
+from .._checks import check_choice, check_finite, check_positive_int, check_tensor
+from .base import Hyperparameter, register
+from .random_features import SoftmaxRandomFeatureMap, _check_directions, stabilized_exp
 
 __all__ = ["complex_exp_features", "key_matrix", "ComplexExpRandomFeatures"]
 
@@ -76,23 +76,29 @@ def complex_exp_projected(
     m_real: torch.Tensor,
     m_imag: torch.Tensor | None,
     conjugate: bool,
+    *,
+    stabilize: bool = False,
 ) -> torch.Tensor:
     """Real features of Ψ_M(u) for M = m_real + i·m_imag (HRF Eq. 15), no validation.
 
     Shapes: u (..., T, D), omega (k, D) or batched (R, k, D), M (D, D) -> (..., T, 2k) laid out
     [Re Ψ, ±Im Ψ] (minus when ``conjugate``, i.e. for the key side), or (..., T, k) = Re Ψ when
-    m_imag is None (real M, the imaginary part is 0).
+    m_imag is None (real M, the imaginary part is 0). ``stabilize=True`` (queries) subtracts
+    each row's largest log-modulus first (``random_features.stabilized_exp``): the row is
+    multiplied by a positive factor and its largest |feature| is in [2^{-1/2}, 1].
     """
     k = omega.shape[-2]
     vr = u @ m_real.transpose(-1, -2)
     sq = (vr * vr).sum(-1, keepdim=True)
     re = vr @ omega.transpose(-1, -2)
+    if m_imag is not None:
+        vi = u @ m_imag.transpose(-1, -2)
+        sq = sq - (vi * vi).sum(-1, keepdim=True)
+    log_mod = re - 0.5 * sq - 0.5 * math.log(k)
+    amp = stabilized_exp(log_mod) if stabilize else torch.exp(log_mod)
     if m_imag is None:
-        return torch.exp(re - 0.5 * sq - 0.5 * math.log(k))
-    vi = u @ m_imag.transpose(-1, -2)
-    sq = sq - (vi * vi).sum(-1, keepdim=True)
+        return amp
     im = vi @ omega.transpose(-1, -2) - (vr * vi).sum(-1, keepdim=True)
-    amp = torch.exp(re - 0.5 * sq - 0.5 * math.log(k))
     sin = torch.sin(im)
     return torch.cat([amp * torch.cos(im), amp * (-sin if conjugate else sin)], dim=-1)
 
@@ -139,6 +145,12 @@ class ComplexExpRandomFeatures(SoftmaxRandomFeatureMap):
     the compute dtype at each call (a 2D×2D inverse).
     """
 
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "A": Hyperparameter(None, "(D, D) invertible real or complex matrix (None: identity)"),
+        "antithetic": Hyperparameter(True, "use the rows [ω; −ω] (2m Ψ-entries)"),
+    }
+
     def __init__(
         self,
         dim: int,
@@ -147,6 +159,7 @@ class ComplexExpRandomFeatures(SoftmaxRandomFeatureMap):
         antithetic: bool = True,
         **kwargs,
     ):
+        dim = check_positive_int(dim, "dim")  # before torch.eye(dim) can fail on it
         if not isinstance(antithetic, bool):
             raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__}")
         if A is None:
@@ -194,6 +207,11 @@ class ComplexExpRandomFeatures(SoftmaxRandomFeatureMap):
     def _key(self, x: torch.Tensor) -> torch.Tensor:
         m_real, m_imag = self._matrices(x.dtype, "key")
         return complex_exp_projected(self._scaled(x), self._rows(x.dtype), m_real, m_imag, True)
+
+    def _query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        m_real, m_imag = self._matrices(x.dtype, "query")
+        u, rows = self._scaled(x), self._rows(x.dtype)
+        return complex_exp_projected(u, rows, m_real, m_imag, False, stabilize=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, antithetic={self.antithetic}, complex={self.is_complex}"

@@ -27,7 +27,7 @@ from .._checks import (
     check_positive_int,
     compute_dtype,
 )
-from .base import FeatureMap, register
+from .base import FeatureMap, Fixed, Hyperparameter, register
 
 __all__ = [
     "MAX_FEATURES",
@@ -120,6 +120,13 @@ class _PolynomialKernel(FeatureMap):
     """Shared parts of the exact maps: k(x, y) = (c + x·y)^p (squared when ``square``)."""
 
     kind = "exact"
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, the polynomial degree"),
+        "coef0": Hyperparameter(0.0, "c >= 0 of the inhomogeneous kernel (c + x·y)^p"),
+        "square": Hyperparameter(False, "score (φq·φk)², kernel (c + x·y)^{2p}"),
+    }
+    fixed = {"num_features": Fixed("feature_dim", "dim and degree (every monomial is kept)")}
 
     def __init__(self, dim: int, *, degree: int = 2, coef0: float = 0.0, square: bool = False):
         degree = check_positive_int(degree, "degree")

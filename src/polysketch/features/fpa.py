@@ -31,7 +31,7 @@ from torch import nn
 
 from .._checks import check_choice, check_int, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Fixed, Hyperparameter, register
 from .exact import MAX_FEATURES, check_kernel_pair, kron_features
 
 __all__ = ["PROJECTIONS", "FactorizedPolynomial", "tspow_weights", "tspow_maps"]
@@ -149,6 +149,22 @@ class FactorizedPolynomial(FeatureMap):
     kind = "exact"
     # the default projection ("random") is random; each instance sets its own ``is_random``
     is_random = True
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(
+            None, "n >= 1 branches (None: len(weights) or len(branch_dims) or 2)"
+        ),
+        "branch_dims": Hyperparameter(None, "the widths d_l (an int or n ints; None: D each)"),
+        "projection": Hyperparameter(
+            None, f"how W_l is built, one of {PROJECTIONS} (None: random)"
+        ),
+        "weights": Hyperparameter(None, "n user-given (d_l, D) matrices W_l instead of projection"),
+        "trainable": Hyperparameter(False, "W_l are nn.Parameters (else buffers)"),
+        "square": Hyperparameter(False, "score (φq·φk)², target k(x, y)²"),
+        "seed": Hyperparameter(None, "seed of the random projections"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
+    fixed = {"num_features": Fixed("feature_dim", "branch_dims (F = ∏ d_l, set it there)")}
 
     def __init__(
         self,

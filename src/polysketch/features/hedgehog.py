@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 
 import torch
 from torch import nn
@@ -29,8 +28,8 @@ from tqdm import tqdm
 
 from .._checks import check_finite, check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
-from .base import FeatureMap, register
-from .llops import _flat_finite
+from .base import FeatureMap, Hyperparameter, register
+from .fitting import flat_finite, keep_start_if_worse, strided_rows
 
 __all__ = ["HedgehogFeatureMap", "distillation_loss"]
 
@@ -105,6 +104,18 @@ class HedgehogFeatureMap(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "softmax"
+    hyperparameters = {
+        "num_features": Hyperparameter(None, "M >= 1, the size of each half (None: D)"),
+        "shared": Hyperparameter(False, "one (W, b) for queries and keys"),
+        "scale": Hyperparameter(None, "temperature of the target exp(scale·x·y) (None: 1/√D)"),
+        "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features"),
+        "seed": Hyperparameter(None, "seed of the initial W when M != D"),
+        "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"causal", "steps", "lr", "batch", "seed", "generator", "progress", "check_rows"}
+    )
 
     def __init__(
         self,
@@ -244,48 +255,41 @@ class HedgehogFeatureMap(FeatureMap):
             q = q.reshape(-1, *q.shape[-2:]).to(device)
             k = k.reshape(-1, *k.shape[-2:]).to(device)
         else:
-            q = _flat_finite(q, "q", self.dim).to(device)
-            k = _flat_finite(k, "k", self.dim).to(device)
+            q = flat_finite(q, "q", self.dim).to(device)
+            k = flat_finite(k, "k", self.dim).to(device)
         gen = make_generator(seed, generator)
-        qc = q[:: -(-q.shape[0] // check_rows)]
-        kc = k[:: -(-k.shape[0] // check_rows)]
+        qc, kc = strided_rows(q, check_rows), strided_rows(k, check_rows)
 
-        def loss_on(qq, kk):
+        def loss_on_data() -> float:
             with torch.no_grad():
-                return float(self.distillation_loss(qq, kk, causal=causal))
+                return float(self.distillation_loss(qc, kc, causal=causal))
 
-        start = {name: t.detach().clone() for name, t in self.state_dict().items()}
-        before = loss_on(qc, kc)
-        params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.Adam(params, lr=lr)
-        show = sys.stderr.isatty() if progress is None else bool(progress)
-        history: list[float] = []
-        with torch.enable_grad():
-            for _ in tqdm(range(steps), desc="hedgehog fit", disable=not show):
-                qb, kb = q, k
-                if causal:  # whole sequences, queries and keys of the same ones
-                    if batch is not None and batch < q.shape[0]:
-                        idx = torch.randperm(q.shape[0], generator=gen)[:batch].to(device)
-                        qb, kb = q[idx], k[idx]
-                else:
-                    if batch is not None and batch < q.shape[0]:
-                        qb = q[torch.randperm(q.shape[0], generator=gen)[:batch].to(device)]
-                    if batch is not None and batch < k.shape[0]:
-                        kb = k[torch.randperm(k.shape[0], generator=gen)[:batch].to(device)]
-                loss = self.distillation_loss(qb, kb, causal=causal)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                history.append(float(loss.detach()))
-        after = loss_on(qc, kc)
-        if not after <= before:  # also catches NaN
-            self.load_state_dict(start)
-            warnings.warn(
-                f"hedgehog.fit: distillation loss rose from {before:.4g} to {after:.4g} "
-                f"(lr={lr:g}); the initial parameters were restored",
-                stacklevel=2,
-            )
-        return history
+        def train() -> list[float]:
+            params = [p for p in self.parameters() if p.requires_grad]
+            optimizer = torch.optim.Adam(params, lr=lr)
+            show = sys.stderr.isatty() if progress is None else bool(progress)
+            history: list[float] = []
+            with torch.enable_grad():
+                for _ in tqdm(range(steps), desc="hedgehog fit", disable=not show):
+                    qb, kb = q, k
+                    if causal:  # whole sequences, queries and keys of the same ones
+                        if batch is not None and batch < q.shape[0]:
+                            idx = torch.randperm(q.shape[0], generator=gen)[:batch].to(device)
+                            qb, kb = q[idx], k[idx]
+                    else:
+                        if batch is not None and batch < q.shape[0]:
+                            qb = q[torch.randperm(q.shape[0], generator=gen)[:batch].to(device)]
+                        if batch is not None and batch < k.shape[0]:
+                            kb = k[torch.randperm(k.shape[0], generator=gen)[:batch].to(device)]
+                    loss = self.distillation_loss(qb, kb, causal=causal)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    history.append(float(loss.detach()))
+            return history
+
+        label = f"hedgehog.fit: distillation loss (lr={lr:g})"
+        return keep_start_if_worse(self, loss_on_data, train, label=label)
 
     def extra_repr(self) -> str:
         return (

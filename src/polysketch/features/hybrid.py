@@ -19,6 +19,12 @@ query side only, so the hybrid maps are asymmetric (query ≠ key) and signed.
   ρ1_k(x) = e^{−‖x‖²/(2c_k²)} φ_SM(x/c_k), ρ2_k(y) = e^{−‖M_k y‖²/(2c_k²)} φ_SM(−M_k y/c_k).
 
 Inputs are scaled first, u = sqrt(scale)·x, and every estimator and coefficient acts on u.
+
+Stabilized queries (``query_stabilized``): a row mixes blocks whose scales differ wildly
+(FAVOR+ blocks carry exp(−‖u‖²/2), trig blocks exp(+‖u‖²/2)), so each block is computed as a
+normalized part times exp(its log-scale) and the whole row is divided by exp(the largest
+log-scale of the row) before any exponential is taken: one positive factor per row, the row's
+largest |feature| in [1/2, 1], blocks far below it underflow to zero as they would beside it.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import check_choice, check_finite, check_float, check_positive_int, check_tensor
-from .base import register
+from .base import Hyperparameter, register
 from .random_features import (
     SoftmaxRandomFeatureMap,
     _check_directions,
+    positive_exponents,
     positive_features,
     trig_features,
 )
@@ -52,8 +59,40 @@ def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2)
 
 
-def _base_features(name: str, u: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    return positive_features(u, omega) if name == "positive" else trig_features(u, omega)
+def _log_scaled(exponents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(e) as (exp(e − c), c) with c = the row's largest exponent (detached), (..., 1)."""
+    c = exponents.amax(-1, keepdim=True).detach()
+    return torch.exp(exponents - c), c
+
+
+def _scaled_base(name: str, u: torch.Tensor, omega: torch.Tensor):
+    """Base features as (normalized part, log-scale): features = part · exp(log-scale)."""
+    if name == "positive":
+        return _log_scaled(positive_exponents(u, omega))
+    sq = 0.5 * (u * u).sum(-1, keepdim=True) - 0.5 * math.log(omega.shape[-2])
+    return trig_features(u, omega, stabilize=True), sq
+
+
+def _scaled_lambda(v: torch.Tensor, omega: torch.Tensor, name: str):
+    """``_gaussian_lambda_features`` as (normalized part, log-scale)."""
+    n = omega.shape[-2]
+    if name == "trig":
+        return trig_features(v, omega, stabilize=True), v.new_full(
+            (*v.shape[:-1], 1), -0.5 * math.log(n)
+        )
+    proj = v @ omega.transpose(-1, -2)
+    shift = (v * v).sum(-1, keepdim=True) + 0.5 * math.log(2 * n)
+    return _log_scaled(torch.cat([proj - shift, -proj - shift], dim=-1))
+
+
+def _assemble(blocks, stabilize: bool) -> torch.Tensor:
+    """Concatenate blocks (part, log-scale): part·exp(log − c) with c the row's largest
+    log-scale when ``stabilize`` (one positive factor per row), else part·exp(log)."""
+    logs = [log for _, log in blocks]
+    c = torch.cat(logs, dim=-1).amax(-1, keepdim=True).detach() if stabilize else None
+    return torch.cat(
+        [part * torch.exp(log if c is None else log - c) for part, log in blocks], dim=-1
+    )
 
 
 def angular_hybrid_features(
@@ -62,6 +101,8 @@ def angular_hybrid_features(
     omega_trig: torch.Tensor,
     tau: torch.Tensor,
     role: str,
+    *,
+    stabilize: bool = False,
 ) -> torch.Tensor:
     """Real features of the angular hybrid estimator (Eq. 11, 12, 19).
 
@@ -70,14 +111,25 @@ def angular_hybrid_features(
 
     Shapes: u (..., T, D) already scaled; omega_pos, omega_trig (m, D) (may be the same tensor
     for shared directions); tau (n, D) — any of them batched (R, ·, D) broadcasting with u like
-    matmul -> (..., T, 4m(n+1)).
+    matmul -> (..., T, 4m(n+1)). ``stabilize=True``: the row times one positive factor, its
+    largest |feature| in [1/2, 1] (module docstring; for queries in normalized attention).
     """
     role = check_choice(role, "role", ("query", "key"))
     _check_directions(u, tau)
     n = tau.shape[-2]
     rho = torch.sign(u @ tau.transpose(-1, -2)) / math.sqrt(2 * n)
-    pos = positive_features(u, omega_pos)
-    trg = trig_features(u, omega_trig)
+    if stabilize:  # both bases share the row's largest log-scale
+        _check_directions(u, omega_pos)
+        _check_directions(u, omega_trig)
+        (pos, log_pos), (trg, log_trg) = (
+            _scaled_base("positive", u, omega_pos),
+            _scaled_base("trig", u, omega_trig),
+        )
+        c = torch.maximum(log_pos, log_trg).detach()
+        pos, trg = pos * torch.exp(log_pos - c), trg * torch.exp(log_trg - c)
+    else:
+        pos = positive_features(u, omega_pos)
+        trg = trig_features(u, omega_trig)
     half = math.sqrt(0.5)
     mixed_pos = _outer(rho, pos)
     if role == "query":
@@ -105,6 +157,7 @@ def gaussian_hybrid_features(
     *,
     estimators: Sequence[str],
     lambda_estimator: str = "positive",
+    stabilize: bool = False,
 ) -> torch.Tensor:
     """Real features of the Gaussian-λ hybrid estimator (Eq. 8, 11, 20) with a_k = 0.
 
@@ -115,6 +168,10 @@ def gaussian_hybrid_features(
     Shapes: u (..., T, D) already scaled; base_omegas (p+1, m, D); lambda_omegas (p, n, D)
     (both may carry a leading batch dim R broadcasting with u like matmul); M (p, D, D);
     widths (p,) -> (..., T, 2m(1 + 4pn)).
+
+    Every block is a normalized part times exp(its log-scale) (the log-scales of the two
+    factors of ρ⊗φ add), so no product meets 0·inf; ``stabilize=True`` divides the row by
+    exp(its largest log-scale) (module docstring; for queries in normalized attention).
     """
     role = check_choice(role, "role", ("query", "key"))
     lambda_estimator = check_choice(lambda_estimator, "lambda_estimator", _BASES)
@@ -124,27 +181,31 @@ def gaussian_hybrid_features(
     _check_directions(u, base_omegas.flatten(-3, -2))
     _check_directions(u, lambda_omegas.flatten(-3, -2))
     bases = [
-        _base_features(check_choice(name, "estimators", _BASES), u, omega)
+        _scaled_base(check_choice(name, "estimators", _BASES), u, omega)
         for name, omega in zip(estimators, base_omegas.unbind(-3), strict=True)
     ]
     head, tail = [], []
+    last, log_last = bases[p]
     for k, omega in enumerate(lambda_omegas.unbind(-3)):
         v = u if role == "query" else -(u @ M[k].transpose(-1, -2))
-        rho = _gaussian_lambda_features(v / widths[k], omega, lambda_estimator)
-        head.append(_outer(rho, bases[k]))
-        mixed = _outer(rho, bases[p])
-        tail.append(-mixed if role == "query" else mixed)
-    return torch.cat([*head, bases[p], *tail], dim=-1)
+        rho, log_rho = _scaled_lambda(v / widths[k], omega, lambda_estimator)
+        head.append((_outer(rho, bases[k][0]), log_rho + bases[k][1]))
+        mixed = _outer(rho, last)
+        tail.append((-mixed if role == "query" else mixed, log_rho + log_last))
+    return _assemble([*head, bases[p], *tail], stabilize)
 
 
 class _HybridFeatureMap(SoftmaxRandomFeatureMap):
     """Hybrid maps are asymmetric: ``_features_for(x, role)`` computes both sides."""
 
-    def _features_for(self, x: torch.Tensor, role: str) -> torch.Tensor:
+    def _features_for(self, x: torch.Tensor, role: str, stabilize: bool = False) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must define _features_for")
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self._features_for(x, "query")
+
+    def _query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        return self._features_for(x, "query", stabilize=True)
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
         return self._features_for(x, "key")
@@ -165,6 +226,13 @@ class AngularHybrid(_HybridFeatureMap):
     ``scale``, ``orthogonal`` (for ω's and τ's), ``seed``/``generator``.
     Buffers: ``omega_pos`` (m, D), ``omega_trig`` (m, D, absent when shared), ``tau`` (n, D).
     """
+
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "num_features": Hyperparameter(None, "m >= 1 directions per base estimator (None: D)"),
+        "lambda_features": Hyperparameter(4, "n >= 1 sign features of λ̂"),
+        "shared_directions": Hyperparameter(False, "trig and positive share the ω's"),
+    }
 
     def __init__(
         self,
@@ -193,11 +261,11 @@ class AngularHybrid(_HybridFeatureMap):
             self._set_buffer("omega_trig", self._directions(self.num_features, generator))
         self._set_buffer("tau", self._directions(self.lambda_features, generator))
 
-    def _features_for(self, x: torch.Tensor, role: str) -> torch.Tensor:
+    def _features_for(self, x: torch.Tensor, role: str, stabilize: bool = False) -> torch.Tensor:
         omega_pos = self.omega_pos.to(x.dtype)
         omega_trig = omega_pos if self.shared_directions else self.omega_trig.to(x.dtype)
-        u = self._scaled(x)
-        return angular_hybrid_features(u, omega_pos, omega_trig, self.tau.to(x.dtype), role)
+        u, tau = self._scaled(x), self.tau.to(x.dtype)
+        return angular_hybrid_features(u, omega_pos, omega_trig, tau, role, stabilize=stabilize)
 
     def extra_repr(self) -> str:
         return (
@@ -224,6 +292,16 @@ class GaussianHybrid(_HybridFeatureMap):
     Buffers: ``base_omega`` (p+1, m, D), ``lambda_omega`` (p, n, D), ``M`` (p, D, D),
     ``widths`` (p,).
     """
+
+    hyperparameters = {
+        **SoftmaxRandomFeatureMap.hyperparameters,
+        "num_features": Hyperparameter(None, "m >= 1 directions per base estimator (None: D)"),
+        "lambda_features": Hyperparameter(4, "n >= 1 random features per λ̂_k"),
+        "M": Hyperparameter(None, "(D, D) or (p, D, D) real matrices M_k (None: I)"),
+        "widths": Hyperparameter(1.0, "c_k > 0, a float or p floats"),
+        "estimators": Hyperparameter(None, "p + 1 base names in {positive, trig}"),
+        "lambda_estimator": Hyperparameter("positive", "'positive' or 'trig' features of λ̂"),
+    }
 
     def __init__(
         self,
@@ -281,7 +359,7 @@ class GaussianHybrid(_HybridFeatureMap):
         self._set_buffer("base_omega", torch.stack(base))
         self._set_buffer("lambda_omega", torch.stack(lam))
 
-    def _features_for(self, x: torch.Tensor, role: str) -> torch.Tensor:
+    def _features_for(self, x: torch.Tensor, role: str, stabilize: bool = False) -> torch.Tensor:
         dt = x.dtype
         return gaussian_hybrid_features(
             self._scaled(x),
@@ -292,6 +370,7 @@ class GaussianHybrid(_HybridFeatureMap):
             role,
             estimators=self.estimators,
             lambda_estimator=self.lambda_estimator,
+            stabilize=stabilize,
         )
 
     def extra_repr(self) -> str:

@@ -62,7 +62,7 @@ from .._checks import (
     check_tensor,
 )
 from ..random import make_generator
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 from .random_features import draw_directions
 
 __all__ = [
@@ -257,6 +257,19 @@ class ClusteredHybrid(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "softmax"
+    stable_query = True
+    hyperparameters = {
+        "num_features": Hyperparameter(16, "m >= 1 random features per cluster-pair estimator"),
+        "clusters": Hyperparameter(2, "u = w (int) or (u, w), the default cluster counts of fit"),
+        "A_family": Hyperparameter("real_diagonal", f"family of A, one of {A_FAMILIES}"),
+        "scale": Hyperparameter(1.0, "s > 0 of the target exp(s·x·y)"),
+        "orthogonal": Hyperparameter(False, "draw ω in orthogonal blocks"),
+        "antithetic": Hyperparameter(True, "use the rows [ω; −ω]"),
+        "seed": Hyperparameter(None, "seed of ω and of fit's k-means"),
+        "generator": Hyperparameter(None, "torch.Generator for both (not with seed)"),
+    }
+    fit_keywords = frozenset({"clusters", "steps", "max_samples", "seed", "generator"})
     _fitted_names = ("centers_q", "centers_k", "A_real", "A_imag")
 
     def __init__(
@@ -388,23 +401,29 @@ class ClusteredHybrid(FeatureMap):
         d2 = (x.square().sum(-1, keepdim=True) - 2 * x @ c.T) + c.square().sum(-1)
         return d2.argmin(dim=-1)
 
-    def _psi(self, zr, zi, key: bool) -> torch.Tensor:
-        """Ψ for z = M u (Eq. 15): (..., P, D) -> (..., P, m) or (..., P, 2m) when complex."""
+    def _psi(self, zr, zi, key: bool, stabilize: bool = False) -> torch.Tensor:
+        """Ψ for z = M u (Eq. 15): (..., P, D) -> (..., P, m) or (..., P, 2m) when complex.
+
+        ``stabilize``: subtract the largest log-modulus over the P blocks and m features of a
+        row, i.e. multiply the query row by one positive factor (``FeatureMap.query_stabilized``).
+        """
         omega = self.omega.to(zr.dtype)
         if self.antithetic:
             omega = torch.cat([omega, -omega])
         m = omega.shape[0]
-        log_mod = zr @ omega.T - 0.5 * zr.square().sum(-1, keepdim=True)
+        log_mod = zr @ omega.T - 0.5 * zr.square().sum(-1, keepdim=True) - 0.5 * math.log(m)
+        if zi is not None:  # exp(-(z)²/2 + ωᵀz), z = zr + i zi, (z)² = |zr|² - |zi|² + 2i zr·zi
+            log_mod = log_mod + 0.5 * zi.square().sum(-1, keepdim=True)
+        if stabilize:
+            log_mod = log_mod - log_mod.amax(dim=(-2, -1), keepdim=True).detach()
+        mod = torch.exp(log_mod)
         if zi is None:
-            return torch.exp(log_mod - 0.5 * math.log(m))
-        # exp(-(z)²/2 + ωᵀz) with z = zr + i zi, (z)² = |zr|² - |zi|² + 2i zr·zi
-        log_mod = log_mod + 0.5 * zi.square().sum(-1, keepdim=True)
+            return mod
         phase = zi @ omega.T - (zr * zi).sum(-1, keepdim=True)
-        mod = torch.exp(log_mod - 0.5 * math.log(m))
         sin = mod * torch.sin(phase)
         return torch.cat([mod * torch.cos(phase), -sin if key else sin], dim=-1)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, x: torch.Tensor, stabilize: bool = False) -> torch.Tensor:
         self._check_fitted()
         u, w = self.num_clusters
         c = self._assign(x, self.centers_q)  # (...,)
@@ -412,10 +431,13 @@ class ClusteredHybrid(FeatureMap):
         a_re = self.A_real.to(x.dtype)[c]  # (..., w, D[, D])
         a_im = None if self.A_imag is None else self.A_imag.to(x.dtype)[c]
         zr, zi = _apply(a_re, a_im, xs.unsqueeze(-2), self.A_family)
-        psi = self._psi(zr, zi, key=False)  # (..., w, m')
+        psi = self._psi(zr, zi, key=False, stabilize=stabilize)  # (..., w, m')
         onehot = torch.nn.functional.one_hot(c, u).to(x.dtype)  # (..., u)
         feats = onehot[..., :, None, None] * psi[..., None, :, :]  # (..., u, w, m')
         return feats.reshape(*x.shape[:-1], self.feature_dim)
+
+    def _query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        return self._query(x, stabilize=True)
 
     def _key(self, y: torch.Tensor) -> torch.Tensor:
         self._check_fitted()

@@ -36,15 +36,14 @@ fitted data than the one it started from.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_tensor
 from ..random import make_generator
-from .base import FeatureMap, register
-from .llops import _flat_finite, fit_kernel, relative_loss
+from .base import FeatureMap, Hyperparameter, register
+from .fitting import fit_kernel, flat_finite, keep_start_if_worse, kernel_loss, strided_rows
 
 __all__ = ["LearnedPolySketch", "SketchBlock"]
 
@@ -115,6 +114,18 @@ class LearnedPolySketch(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "polynomial"
+    hyperparameters = {
+        "num_features": Hyperparameter(32, "r >= 1, the sketch size"),
+        "expansion": Hyperparameter(8, "e >= 1, hidden width e·r of each block"),
+        "levels": Hyperparameter(2, "blocks per branch >= 1"),
+        "degree": Hyperparameter(4, "even degree of the target (x·y)^degree"),
+        "seed": Hyperparameter(None, "seed of the initial weights"),
+        "generator": Hyperparameter(None, "torch.Generator for the weights (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"degree", "steps", "lr", "batch", "seed", "generator", "progress", "check_rows"}
+    )
 
     def __init__(
         self,
@@ -183,12 +194,6 @@ class LearnedPolySketch(FeatureMap):
         """
         return 0.25 / (self.expansion * self.num_features)
 
-    def _fit_loss(self, q: torch.Tensor, k: torch.Tensor, degree: int | None) -> float:
-        """Relative Eq. 6 loss (``llops.relative_loss``) on (q, k), no gradients."""
-        with torch.no_grad():
-            target = self.target_kernel(q, k) if degree is None else (q @ k.T) ** degree
-            return float(relative_loss(self.approx_kernel(q, k), target))
-
     def fit(
         self,
         q: torch.Tensor,
@@ -203,7 +208,7 @@ class LearnedPolySketch(FeatureMap):
         progress: bool | None = None,
         check_rows: int = 2048,
     ) -> list[float]:
-        """Train the network to imitate ``target_kernel`` on samples (``llops.fit_kernel``).
+        """Train the network to imitate ``target_kernel`` on samples (``fitting.fit_kernel``).
 
         Minimises ``‖S − A‖_F² / ‖A‖_F²`` (LLoPS Eq. 6, normalised) with Adam at
         ``lr`` (None: ``fit_lr`` = 1/(4·e·r), see the module docstring; other arguments
@@ -214,38 +219,26 @@ class LearnedPolySketch(FeatureMap):
 
         Returns: the loss before each step (``steps`` floats, as ``fit_kernel``).
         """
-        q = _flat_finite(q, "q", self.dim)
-        k = _flat_finite(k, "k", self.dim)
+        q = flat_finite(q, "q", self.dim)
+        k = flat_finite(k, "k", self.dim)
         if degree is not None:
             degree = check_positive_int(degree, "degree")
         check_rows = check_positive_int(check_rows, "check_rows")
         lr = self.fit_lr if lr is None else lr
-        device = next(self.parameters()).device
-        qc = q[:: -(-q.shape[0] // check_rows)].to(device)
-        kc = k[:: -(-k.shape[0] // check_rows)].to(device)
-        start = {name: t.detach().clone() for name, t in self.state_dict().items()}
-        before = self._fit_loss(qc, kc, degree)
-        history = fit_kernel(
+        qc, kc = strided_rows(q, check_rows), strided_rows(k, check_rows)
+
+        def train() -> list[float]:
+            return fit_kernel(
+                self, q, k, degree=degree, steps=steps, lr=lr, batch=batch, seed=seed,
+                generator=generator, progress=progress,
+            )  # fmt: skip
+
+        return keep_start_if_worse(
             self,
-            q,
-            k,
-            degree=degree,
-            steps=steps,
-            lr=lr,
-            batch=batch,
-            seed=seed,
-            generator=generator,
-            progress=progress,
+            lambda: kernel_loss(self, qc, kc, degree),
+            train,
+            label=f"learned_polysketch.fit (lr={lr:g})",
         )
-        after = self._fit_loss(qc, kc, degree)
-        if not after <= before:  # also catches NaN
-            self.load_state_dict(start)
-            warnings.warn(
-                f"learned_polysketch.fit: loss rose from {before:.3g} to {after:.3g} "
-                f"(lr={lr:g}); the initial parameters were restored",
-                stacklevel=2,
-            )
-        return history
 
     def extra_repr(self) -> str:
         return (

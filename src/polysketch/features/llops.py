@@ -1,4 +1,4 @@
-"""LLoPS: the Learnable Low-Rank Polynomial Sketch, and fitting a map to its kernel.
+"""LLoPS: the Learnable Low-Rank Polynomial Sketch.
 
 The LLoPS paper (``llops-learnable-polynomial-sketch.md``) approximates the degree-p
 polynomial kernel ``(q·k)^p`` (Eq. 3) by learned, asymmetric features
@@ -9,18 +9,15 @@ polynomial kernel ``(q·k)^p`` (Eq. 3) by learned, asymmetric features
 decomposition of a column of the linear sketch ``W`` of ``vec(x^{⊗p})`` (Eq. 9–12, 16), so
 φ costs O(D·F·t·p) per token and never builds the D^p tensor. The parameters are trained to
 minimise Eq. 6, ``‖φQ(Q)φK(K)ᵀ − (QKᵀ)^{∘p}‖_F²``; Theorem 3.1 says no rank-F map can beat
-the truncated SVD of ``(QKᵀ)^{∘p}`` (``optimal_error``).
+the truncated SVD of ``(QKᵀ)^{∘p}`` (``optimal_error``). The fitting machinery (``fit_kernel``,
+``relative_loss``, re-exported here) is ``polysketch.features.fitting``.
 """
 
 from __future__ import annotations
 
-import copy
-import sys
-
 import torch
 from einops import rearrange
 from torch import nn
-from tqdm import tqdm
 
 from .._checks import (
     check_choice,
@@ -31,14 +28,22 @@ from .._checks import (
     check_tensor,
 )
 from ..random import gaussian, make_generator, orthogonal_gaussian
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
+from .fitting import (
+    fit_kernel,
+    flat_finite,
+    keep_start_if_worse,
+    kernel_loss,
+    random_rows,
+    relative_loss,
+)
 from .llops_init import (
-    _flat_finite,
     largest_rank,
     low_rank_bilinear,
     monomial_factors,
     principal_directions,
 )
+from .optimal_rank import optimal_rank_error
 
 __all__ = ["LLoPS", "based_factors", "fit_kernel", "optimal_error", "relative_loss"]
 
@@ -47,17 +52,14 @@ _SPARE_SCALE = 1e-2
 product of zero factors has zero gradient)."""
 
 
-def relative_loss(approx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Eq. 6 normalised: ``‖approx − target‖_F² / ‖target‖_F²`` (a scalar)."""
-    return (approx - target).square().sum() / target.square().sum().clamp_min(1e-300)
-
-
 def optimal_error(q: torch.Tensor, k: torch.Tensor, *, degree: int, num_features: int) -> float:
     """Theorem 3.1 / Eq. 7: the least relative Eq. 6 loss any F-dimensional map can reach.
 
     With ``A = (QKᵀ)^{∘p}`` and singular values σ_1 ≥ σ_2 ≥ ..., a pair of maps into R^F gives
     a matrix ``φQ(Q)φK(K)ᵀ`` of rank ≤ F, so ``‖φQφKᵀ − A‖_F² ≥ Σ_{i>F} σ_i²`` (Eckart–Young).
-    Returns ``Σ_{i>F} σ_i² / Σ_i σ_i²``, a lower bound for ``relative_loss``.
+    Returns ``Σ_{i>F} σ_i² / Σ_i σ_i²``, a lower bound for ``relative_loss``: the square of
+    ``features.optimal_rank.optimal_rank_error``'s relative error, of which this is the
+    one-matrix case in Eq. 6's squared units.
 
     Shapes: q (N, D), k (M, D) (leading dims are flattened). Cost O(N·M·min(N, M)).
     """
@@ -65,89 +67,9 @@ def optimal_error(q: torch.Tensor, k: torch.Tensor, *, degree: int, num_features
     num_features = check_positive_int(num_features, "num_features")
     q = check_tensor(q, "q", min_dim=1)
     k = check_tensor(k, "k", min_dim=1, last_dim=q.shape[-1])
-    a = (q.reshape(-1, q.shape[-1]) @ k.reshape(-1, k.shape[-1]).T) ** degree
-    s2 = torch.linalg.svdvals(a).square()
-    return float(s2[num_features:].sum() / s2.sum().clamp_min(1e-300))
-
-
-def _check_sample(q, k, dim: int, generator: torch.Generator, size: int = 2048):
-    """Up to ``size`` rows each of the flattened q and k (drawn from ``generator``)."""
-    out = []
-    for x, name in ((q, "q"), (k, "k")):
-        x = _flat_finite(x, name, dim)
-        if x.shape[0] > size:
-            x = x[torch.randperm(x.shape[0], generator=generator)[:size].to(x.device)]
-        out.append(x)
-    return out
-
-
-def fit_kernel(
-    feature_map: FeatureMap,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    degree: int | None = None,
-    steps: int = 500,
-    lr: float = 1e-2,
-    batch: int | None = 1024,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    progress: bool | None = None,
-) -> list[float]:
-    """Train the parameters of ``feature_map`` so that its scores imitate a kernel on data.
-
-    Minimises Eq. 6 of the LLoPS paper, normalised by ``‖target‖_F²`` (same minimiser, scale
-    free), with Adam: at every step ``batch`` queries and ``batch`` keys are drawn (without
-    replacement, from ``seed``/``generator``) and the loss is
-    ``‖S − A‖_F² / ‖A‖_F²`` with ``S = approx_kernel(Q_b, K_b)`` (squared scores when
-    ``feature_map.square``) and ``A = (Q_b K_bᵀ)^{∘degree}``, or ``target_kernel(Q_b, K_b)``
-    when ``degree`` is None.
-
-    Args:
-        q: sampled queries (N, D) or (..., D) (leading dims are flattened).
-        k: sampled keys (M, D) or (..., D).
-        degree: target polynomial degree; None uses the map's ``target_kernel``.
-        steps: number of Adam steps. lr: learning rate.
-        batch: rows of q and of k per step; None (or ≥ N, M) uses them all.
-        progress: show a tqdm bar; None shows it only when stderr is a terminal.
-
-    Returns: the loss before each step (a list of ``steps`` floats).
-    """
-    dim = feature_map.dim
-    q = _flat_finite(q, "q", dim)
-    k = _flat_finite(k, "k", dim)
-    if degree is not None:
-        degree = check_positive_int(degree, "degree")
-    steps = check_positive_int(steps, "steps")
-    lr = check_float(lr, "lr", minimum=0.0, strict_minimum=True)
-    if batch is not None:
-        batch = check_positive_int(batch, "batch")
-    params = [p for p in feature_map.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("feature_map has no trainable parameters to fit")
-    gen = make_generator(seed, generator)
-    q = q.to(params[0].device)
-    k = k.to(params[0].device)
-    show = sys.stderr.isatty() if progress is None else bool(progress)
-    optimizer = torch.optim.Adam(params, lr=lr)
-    history: list[float] = []
-    with torch.enable_grad():
-        for _ in tqdm(range(steps), desc="fit", disable=not show):
-            qb, kb = q, k
-            if batch is not None and batch < q.shape[0]:
-                qb = q[torch.randperm(q.shape[0], generator=gen)[:batch].to(q.device)]
-            if batch is not None and batch < k.shape[0]:
-                kb = k[torch.randperm(k.shape[0], generator=gen)[:batch].to(k.device)]
-            if degree is None:
-                target = feature_map.target_kernel(qb, kb)
-            else:
-                target = (qb @ kb.T) ** degree
-            loss = relative_loss(feature_map.approx_kernel(qb, kb), target.detach())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            history.append(float(loss.detach()))
-    return history
+    d = q.shape[-1]
+    opt = optimal_rank_error(q.reshape(-1, d), k.reshape(-1, d), degree, num_features)
+    return opt.relative**2
 
 
 def based_factors(projection: torch.Tensor) -> torch.Tensor:
@@ -218,6 +140,21 @@ class LLoPS(FeatureMap):
 
     kind = "learned"
     is_random = False
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, factors per feature (target degree p, 2p squared)"),
+        "num_features": Hyperparameter(None, "F >= 1 (None: 2·D)"),
+        "rank": Hyperparameter(1, "t >= 1, the CP rank of each feature"),
+        "square": Hyperparameter(False, "score (φQ·φK)², target (x·y)^{2p}"),
+        "elementwise_square": Hyperparameter(False, "features φ_f², target (x·y)^{2p}, F state"),
+        "shared": Hyperparameter(False, "one set of factors for queries and keys"),
+        "init": Hyperparameter("sketch", "'sketch', 'random' or 'monomial' start"),
+        "seed": Hyperparameter(None, "seed of the initial draw"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
+    fit_keywords = frozenset(
+        {"degree", "steps", "lr", "batch", "init", "seed", "generator", "progress"}
+    )
 
     def __init__(
         self,
@@ -357,7 +294,7 @@ class LLoPS(FeatureMap):
             )
         spare_scale = check_float(spare_scale, "spare_scale", minimum=0.0)
         rank = largest_rank(self.num_features, self.degree, self.dim)
-        q, k = _flat_finite(q, "q", self.dim), _flat_finite(k, "k", self.dim)
+        q, k = flat_finite(q, "q", self.dim), flat_finite(k, "k", self.dim)
         if self.shared:
             a = b = principal_directions(torch.cat([q, k.to(q.dtype)]), rank)
         else:
@@ -436,31 +373,20 @@ class LLoPS(FeatureMap):
             self.init_from_data_(q, k, generator=gen)
         if steps == 0:
             return []
-        start = copy.deepcopy(self.state_dict())
-        check = _check_sample(q, k, self.dim, gen)
-        before = self._fit_loss(*check, degree)
-        history = fit_kernel(
-            self,
-            q,
-            k,
-            degree=degree,
-            steps=steps,
-            lr=lr,
-            batch=batch,
-            generator=gen,
-            progress=progress,
-        )
-        if self._fit_loss(*check, degree) > before:  # Adam left a better start: keep it
-            self.load_state_dict(start)
-        return history
+        check = random_rows(q, k, self.dim, gen)
 
-    @torch.no_grad()
+        def train() -> list[float]:
+            return fit_kernel(
+                self, q, k, degree=degree, steps=steps, lr=lr, batch=batch, generator=gen,
+                progress=progress,
+            )  # fmt: skip
+
+        # Adam left a better start (e.g. the exact closed form): keep it, silently
+        return keep_start_if_worse(self, lambda: self._fit_loss(*check, degree), train)
+
     def _fit_loss(self, q: torch.Tensor, k: torch.Tensor, degree: int | None) -> float:
         """Eq. 6, relative, on (q, k): the score ``fit`` keeps the better parameters by."""
-        device = self.theta_q.device
-        q, k = q.to(device), k.to(device)
-        target = (q @ k.T) ** (self.target_degree if degree is None else degree)
-        return float(relative_loss(self.approx_kernel(q, k), target))
+        return kernel_loss(self, q, k, degree)
 
     def extra_repr(self) -> str:
         return (

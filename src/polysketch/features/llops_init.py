@@ -32,7 +32,8 @@ import math
 
 import torch
 
-from .._checks import check_finite, check_positive_int, check_tensor
+from .._checks import check_positive_int, check_tensor
+from .fitting import flat_finite
 
 __all__ = ["largest_rank", "low_rank_bilinear", "monomial_factors", "principal_directions"]
 
@@ -48,18 +49,8 @@ def largest_rank(num_features: int, degree: int, dim: int) -> int:
     return s
 
 
-def _flat_finite(x, name: str, dim: int | None = None) -> torch.Tensor:
-    """x (..., D) -> (N, D) with N ≥ 1 and finite entries; errors name ``name`` (shared by
-    the learnable maps' ``fit`` methods)."""
-    x = check_tensor(x, name, min_dim=1, last_dim=dim)
-    x = x.reshape(-1, x.shape[-1])
-    if x.shape[0] == 0:
-        raise ValueError(f"{name} must hold at least one vector, got shape {tuple(x.shape)}")
-    return check_finite(x, name)
-
-
 def _samples(x, name: str, dim: int | None = None) -> torch.Tensor:
-    return _flat_finite(x, name, dim).to(torch.float64)
+    return flat_finite(x, name, dim).to(torch.float64)
 
 
 def _row_space(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

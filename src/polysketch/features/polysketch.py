@@ -51,7 +51,7 @@ from .._checks import (
 )
 from ..random import gaussian, make_generator, rademacher, randint
 from ._hadamard import hadamard_columns, next_power_of_two
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 
 __all__ = ["PolySketch", "SketchLevel"]
 
@@ -129,6 +129,16 @@ class PolySketch(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, the sketched degree"),
+        "num_features": Hyperparameter(32, "r >= 1, the sketch size"),
+        "projection": Hyperparameter("gaussian", "'gaussian', 'srht' or 'product'"),
+        "nonnegative": Hyperparameter(False, "self-tensored: score (φq·φk)², target (x·y)^{2p}"),
+        "output_scale": Hyperparameter(1.0, "c > 0 multiplying every feature"),
+        "seed": Hyperparameter(None, "seed of the random sketch"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
 
     def __init__(
         self,

@@ -18,6 +18,14 @@ N(0, I_D) and both estimators stay unbiased, with lower variance (HRF §4; Yu et
 The pure functions ``draw_directions``, ``trig_features`` and ``positive_features`` are the
 building blocks reused by ``complex_exp``, ``hybrid`` and ``hybrid_clustered``; their
 signatures are stable.
+
+Stabilized queries (``FeatureMap.query_stabilized``, ``stable_query = True`` for every map
+here): a query row may be multiplied by any c(u) > 0 where normalized attention without an
+offset cancels it. ``stabilize=True`` returns the features times c(u) = exp(−log-scale of
+the row), computed before any exponential, so the row's largest |feature| is in [2^{-1/2}, 1]
+whatever ‖u‖: trig drops exp(‖u‖²/2)/√m (which overflows fp32 at ‖u‖ ≈ 13), positive
+subtracts the row's largest exponent (its rows underflow to all zeros at ‖u‖ ≈ 13 in fp32).
+Key features are never shifted (module docs of ``features.base``).
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import torch
 
 from .._checks import check_feature_input, check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator, orthogonal_gaussian
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "draw_directions",
+    "stabilized_exp",
     "trig_features",
+    "positive_exponents",
     "positive_features",
     "SoftmaxRandomFeatureMap",
     "TrigRandomFeatures",
@@ -64,22 +74,44 @@ def _check_directions(u: torch.Tensor, omega: torch.Tensor) -> None:
         raise ValueError(f"omega must have the dtype of u ({u.dtype}), got {omega.dtype}")
 
 
-def trig_features(u: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+def stabilized_exp(exponents: torch.Tensor) -> torch.Tensor:
+    """exp(e − max_f e) per row: (..., F) -> (..., F), the row's largest entry 1.
+
+    The shift is detached: it cancels in normalized attention, whose gradient is therefore
+    the same with or without it (``FeatureMap.query_stabilized``).
+    """
+    return torch.exp(exponents - exponents.amax(-1, keepdim=True).detach())
+
+
+def trig_features(u: torch.Tensor, omega: torch.Tensor, *, stabilize: bool = False) -> torch.Tensor:
     """Trigonometric features (HRF Eq. 2): m^{-1/2} exp(‖u‖²/2) (sin ω_i·u, cos ω_i·u).
 
     Shapes: u (..., T, D) (already scaled), omega (m, D) or batched (R, m, D) (leading dims
     broadcast with u's like ``torch.matmul``) -> (..., T, 2m), layout [sin_1..m, cos_1..m].
     φ(x)·φ(y) = exp((‖x‖²+‖y‖²)/2) (1/m) Σ_i cos ω_i·(x−y), unbiased for exp(x·y).
-    Overflows (fp32) once ‖u‖² > 2·88, i.e. ‖u‖ ≳ 13.
+    Overflows (fp32) once ‖u‖² > 2·88, i.e. ‖u‖ ≳ 13. ``stabilize=True`` returns
+    (sin ω_i·u, cos ω_i·u), the features divided by their row factor exp(‖u‖²/2)/√m.
     """
     _check_directions(u, omega)
     proj = u @ omega.transpose(-1, -2)
+    if stabilize:
+        return torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1)
     m = omega.shape[-2]
     log_amp = 0.5 * (u * u).sum(-1, keepdim=True) - 0.5 * math.log(m)
     return torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * torch.exp(log_amp)
 
 
-def positive_features(u: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+def positive_exponents(u: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """The exponents of ``positive_features``: [±ω_i·u] − ‖u‖²/2 − log(2m)/2, (..., T, 2m)."""
+    proj = u @ omega.transpose(-1, -2)
+    m = omega.shape[-2]
+    shift = 0.5 * (u * u).sum(-1, keepdim=True) + 0.5 * math.log(2 * m)
+    return torch.cat([proj - shift, -proj - shift], dim=-1)
+
+
+def positive_features(
+    u: torch.Tensor, omega: torch.Tensor, *, stabilize: bool = False
+) -> torch.Tensor:
     """Positive (FAVOR+) features (HRF Eq. 3): (2m)^{-1/2} exp(±ω_i·u − ‖u‖²/2).
 
     Shapes: u (..., T, D) (already scaled), omega (m, D) or batched (R, m, D) -> (..., T, 2m),
@@ -91,13 +123,12 @@ def positive_features(u: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     max_i ‖ω_i‖² < 2·88.7 (fp32; ‖ω‖² ~ χ²_D: P > 177 is 2e-12 for D = 64, 5e-22 for D = 32)
     and ≤ exp(‖ω‖‖u‖ − ‖u‖²/2) in general; and since one of ±ω·u is ≥ 0, every row has a
     feature ≥ exp(−‖u‖²/2)/sqrt(2m), so no row underflows to all zeros while ‖u‖ ≤ 12 (fp32,
-    bf16) or ‖u‖ ≤ 36 (fp64). No stabilizer is applied (see ``PositiveRandomFeatures``).
+    bf16) or ‖u‖ ≤ 36 (fp64). ``stabilize=True`` subtracts each row's largest exponent
+    (``stabilized_exp``): a query-side factor only (see ``PositiveRandomFeatures``).
     """
     _check_directions(u, omega)
-    proj = u @ omega.transpose(-1, -2)
-    m = omega.shape[-2]
-    shift = 0.5 * (u * u).sum(-1, keepdim=True) + 0.5 * math.log(2 * m)
-    return torch.exp(torch.cat([proj - shift, -proj - shift], dim=-1))
+    exponents = positive_exponents(u, omega)
+    return stabilized_exp(exponents) if stabilize else torch.exp(exponents)
 
 
 def softmax_kernel(x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
@@ -117,6 +148,15 @@ class SoftmaxRandomFeatureMap(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "softmax"
+    stable_query = True
+    hyperparameters = {
+        "num_features": Hyperparameter(None, "m >= 1 random directions (None: 4·D)"),
+        "scale": Hyperparameter(1.0, "s > 0 of the target exp(s·x·y)"),
+        "orthogonal": Hyperparameter(False, "draw ω in blocks of D orthogonal directions"),
+        "seed": Hyperparameter(None, "seed of the random directions"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
 
     def __init__(
         self,
@@ -190,6 +230,9 @@ class TrigRandomFeatures(SoftmaxRandomFeatureMap):
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         return trig_features(self._scaled(x), self.omega.to(x.dtype))
 
+    def _query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        return trig_features(self._scaled(x), self.omega.to(x.dtype), stabilize=True)
+
 
 @register("positive")
 class PositiveRandomFeatures(SoftmaxRandomFeatureMap):
@@ -207,12 +250,13 @@ class PositiveRandomFeatures(SoftmaxRandomFeatureMap):
     narrower range (features above 65504 or below 6e-8 do not survive the cast back): prefer
     bf16 or fp32 inputs.
 
-    No stabilizer. performer-pytorch subtracts the max of the key exponents over the whole
-    sequence, which leaks future tokens into causal attention. A per-row constant (each
-    token's own max) on *query* rows multiplies a row of scores by a constant, which cancels in
-    normalized attention; on *key* rows it rescales each column differently and does NOT
-    cancel, biasing the estimate. Since the exponent is already bounded by ‖ω‖²/2, we compute
-    the exact unbiased features and document the range instead.
+    Stabilizer: on queries only, and only through ``query_stabilized`` (each row's own max
+    exponent subtracted), which the attention path uses where it cancels (normalized attention,
+    no offset). performer-pytorch subtracts the max of the key exponents over the whole
+    sequence, which leaks future tokens into causal attention. A per-row constant on *key*
+    rows rescales each column differently and does NOT cancel, biasing the estimate. So
+    ``query``/``key`` compute the exact unbiased features, and attention refuses keys whose
+    features leave the range (``features.stability``).
     """
 
     def __init__(self, dim: int, **kwargs):
@@ -228,3 +272,6 @@ class PositiveRandomFeatures(SoftmaxRandomFeatureMap):
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         return positive_features(self._scaled(x), self.omega.to(x.dtype))
+
+    def _query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        return positive_features(self._scaled(x), self.omega.to(x.dtype), stabilize=True)

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._checks import check_feature_input, check_float, check_positive_int, compute_dtype
 from ..random import make_generator, rademacher, randint
-from .base import FeatureMap, register
+from .base import FeatureMap, Hyperparameter, register
 
 __all__ = ["count_sketch", "CountSketch", "TensorSketch"]
 
@@ -133,6 +133,14 @@ class TensorSketch(FeatureMap):
 
     kind = "unbiased"
     is_random = True
+    family = "polynomial"
+    hyperparameters = {
+        "degree": Hyperparameter(2, "p >= 1, the polynomial degree"),
+        "num_features": Hyperparameter(256, "F >= 1, the sketch size"),
+        "coef0": Hyperparameter(0.0, "c >= 0 of the inhomogeneous kernel (c + x·y)^p"),
+        "seed": Hyperparameter(None, "seed of the hashes and signs"),
+        "generator": Hyperparameter(None, "torch.Generator for the draw (not with seed)"),
+    }
 
     def __init__(
         self,
@@ -160,6 +168,8 @@ class TensorSketch(FeatureMap):
         self._set_buffer("signs", rademacher(*shape, generator=generator))
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # T = 0 or B = 0: an empty output (the FFT refuses empty batches)
+            return x.new_zeros(*x.shape[:-1], self.num_features)
         if self.coef0 > 0:
             const = x.new_full((*x.shape[:-1], 1), math.sqrt(self.coef0))
             sketches = count_sketch(

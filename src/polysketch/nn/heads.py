@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from torch import nn
 from .._checks import check_int, check_positive_int, check_tensor
 from ..features import create, get_class
 from ..features.base import FeatureMap
-from ..random import make_generator
+from ..random import check_seed, make_generator
 
 __all__ = ["MultiHeadFeatureMap", "head_seed", "LOOP_MAPS"]
 
@@ -53,21 +52,20 @@ def head_seed(seed: int, layer_index: int, head_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def _accepts(cls: type, keyword: str) -> bool:
-    """Whether ``cls(dim, keyword=...)`` is accepted (named parameter or ``**kwargs``)."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+ROLES = ("query", "key", "query_stabilized")
+"""The feature methods a ``MultiHeadFeatureMap`` applies per head."""
 
 
 class _Role(nn.Module):
-    """Calls ``map.query`` or ``map.key``; the module ``functional_call`` runs per head."""
+    """Calls ``map.query``, ``map.key`` or ``map.query_stabilized``; the module
+    ``functional_call`` runs per head."""
 
     def __init__(self, feature_map: FeatureMap):
         super().__init__()
         self.map = feature_map
 
-    def forward(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        return self.map.key(x) if key else self.map.query(x)
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        return getattr(self.map, role)(x)
 
 
 class MultiHeadFeatureMap(nn.Module):
@@ -82,8 +80,9 @@ class MultiHeadFeatureMap(nn.Module):
         **map_kwargs: passed to every head's map (``create(name, D, **map_kwargs)``).
 
     Attributes (from the head maps, which share them): ``feature_dim`` F, ``square``,
-    ``state_dim`` (F² if square else F), ``nonnegative``, ``kind``, ``is_random``;
-    ``vectorized`` (False for the loop fallback).
+    ``state_dim`` (F² if square else F), ``nonnegative``, ``kind``, ``is_random``, ``family``,
+    ``stable_query`` (``query_stabilized`` rescales query rows; see ``features.stability``
+    for when attention may use it); ``vectorized`` (False for the loop fallback).
     """
 
     def __init__(
@@ -97,21 +96,18 @@ class MultiHeadFeatureMap(nn.Module):
         **map_kwargs,
     ):
         super().__init__()
-        cls = get_class(name)
+        get_class(name)  # an unknown name fails here, naming the choices
         self.name = name
         self.head_dim = check_positive_int(head_dim, "head_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
-        self.seed = check_int(seed, "seed", minimum=0)
+        self.seed = check_seed(seed)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
         if "seed" in map_kwargs or "generator" in map_kwargs:
             raise ValueError("map_kwargs must not contain seed/generator: pass seed= instead")
-        seeded = _accepts(cls, "seed")
 
-        def build(h: int) -> FeatureMap:
-            kw = dict(map_kwargs)
-            if seeded:
-                kw["seed"] = head_seed(self.seed, self.layer_index, h)
-            return create(name, self.head_dim, **kw)
+        def build(h: int) -> FeatureMap:  # every map takes seed= (deterministic ones ignore it)
+            seed = head_seed(self.seed, self.layer_index, h)
+            return create(name, self.head_dim, **map_kwargs, seed=seed)
 
         maps = [build(h) for h in range(self.num_heads)]
         first = maps[0]
@@ -121,6 +117,9 @@ class MultiHeadFeatureMap(nn.Module):
         self.nonnegative = first.nonnegative
         self.kind = first.kind
         self.is_random = first.is_random
+        self.family = first.family
+        self.stable_query = first.stable_query
+        self.scale = getattr(first, "scale", None)  # for the range checks' advice
         probe_key = (name, repr(sorted(map_kwargs.items())), self.head_dim)
         if probe_key not in _VMAP_OK:
             _VMAP_OK[probe_key] = name not in LOOP_MAPS and self._vmap_works(first)
@@ -146,10 +145,10 @@ class MultiHeadFeatureMap(nn.Module):
         params, buffers = torch.func.stack_module_state([role, role])
         x = torch.randn(1, 2, 3, self.head_dim, generator=torch.Generator().manual_seed(0))
         try:
-            for key in (False, True):
+            for name in ROLES:
                 torch.vmap(
-                    lambda p, b, xh, key=key: torch.func.functional_call(
-                        role, (p, b), (xh,), {"key": key}
+                    lambda p, b, xh, name=name: torch.func.functional_call(
+                        role, (p, b), (xh,), {"role": name}
                     ),
                     in_dims=(0, 0, 1),
                     out_dims=1,
@@ -164,7 +163,7 @@ class MultiHeadFeatureMap(nn.Module):
         return params, buffers
 
     # ----- features ------------------------------------------------------------------------
-    def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+    def _features(self, x: torch.Tensor, role: str) -> torch.Tensor:
         check_tensor(x, "x", min_dim=3, last_dim=self.head_dim)
         if x.shape[-3] != self.num_heads:
             raise ValueError(
@@ -172,13 +171,13 @@ class MultiHeadFeatureMap(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         if not self.vectorized:
-            outs = [(m.key if key else m.query)(x.select(-3, h)) for h, m in enumerate(self.maps)]
+            outs = [getattr(m, role)(x.select(-3, h)) for h, m in enumerate(self.maps)]
             return torch.stack(outs, dim=-3)
         params, buffers = self._stacked()
-        role = self._template[0]
+        template = self._template[0]
 
         def one_head(p, b, xh):
-            return torch.func.functional_call(role, (p, b), (xh,), {"key": key})
+            return torch.func.functional_call(template, (p, b), (xh,), {"role": role})
 
         head_axis = x.dim() - 3
         return torch.vmap(one_head, in_dims=(0, 0, head_axis), out_dims=head_axis)(
@@ -187,11 +186,16 @@ class MultiHeadFeatureMap(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """φq per head: (..., H, T, D) -> (..., H, T, F), dtype of x."""
-        return self._features(x, key=False)
+        return self._features(x, "query")
 
     def key(self, x: torch.Tensor) -> torch.Tensor:
         """φk per head: (..., H, T, D) -> (..., H, T, F), dtype of x."""
-        return self._features(x, key=True)
+        return self._features(x, "key")
+
+    def query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
+        """c·φq per head, c > 0 per row (``FeatureMap.query_stabilized``): only where normalized
+        attention without an offset cancels c (``features.stability.attention_features``)."""
+        return self._features(x, "query_stabilized")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Alias of ``query``."""

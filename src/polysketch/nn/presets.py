@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..features import available
+from ..features import available, get_class
 
 __all__ = [
     "PRESETS",
@@ -52,29 +52,19 @@ __all__ = [
     "valid_attentions",
 ]
 
-POLYNOMIAL_MAPS = frozenset(
-    {
-        "tensor_power",
-        "symmetric_power",
-        "fpa",
-        "tensorsketch",
-        "polysketch",
-        "llops",
-        "learned_polysketch",
-        "elementwise_power",
-    }
-)
-"""Maps whose target is a polynomial kernel: LayerNorm on q/k and offset 1 by default."""
+POLYNOMIAL_MAPS = frozenset(available("polynomial"))
+"""Maps whose target is a polynomial kernel (declared ``family = "polynomial"``): LayerNorm on
+q/k and offset 1 by default."""
 
-SOFTMAX_MAPS = frozenset(
-    {"trig", "positive", "complex_exp", "hybrid_angular", "hybrid_gaussian", "hybrid_clustered"}
-)
-"""Random features of exp(scale·q·k): ``scale=1/sqrt(D)`` by default."""
+SOFTMAX_TARGET_MAPS = frozenset(available("softmax"))
+"""Maps whose ``target_kernel`` is exp(scale·q·k) (declared ``family = "softmax"``: random
+features and the learned Hedgehog map): ``scale=1/sqrt(D)`` by default, the model's ``scaling``
+in the transformers integration. For Hedgehog the scale sets the target of ``fit`` only; its
+features do not depend on it."""
 
-SOFTMAX_TARGET_MAPS = SOFTMAX_MAPS | {"hedgehog"}
-"""Maps whose ``target_kernel`` is exp(scale·q·k) (random features and the learned Hedgehog
-map): ``scale=1/sqrt(D)`` by default, the model's ``scaling`` in the transformers integration.
-For Hedgehog the scale sets the target of ``fit`` only; its features do not depend on it."""
+SOFTMAX_MAPS = frozenset(n for n in SOFTMAX_TARGET_MAPS if get_class(n).kind != "learned")
+"""The estimators among them (random features of exp(scale·q·k), not learned imitations):
+``scale=1/sqrt(D)`` by default."""
 
 _PSF_SKETCH = {"degree": 2, "num_features": 32, "projection": "gaussian", "nonnegative": True}
 _PSF_LEARNED = {"num_features": 32, "expansion": 8, "levels": 2, "degree": 4}

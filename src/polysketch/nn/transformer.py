@@ -184,6 +184,26 @@ class TransformerLM(nn.Module):
             raise ValueError(message)
         return idx
 
+    def _check_targets(self, targets, idx: torch.Tensor) -> torch.Tensor:
+        """targets (B, T) int ids in [0, vocab_size) or -100 (ignored). Float targets are
+        refused (``.long()`` would truncate them silently); out-of-range ids raise here on
+        CPU and through a device-side assertion on accelerators / under compile (no sync)."""
+        if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(idx.shape):
+            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}")
+        if targets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"targets must be integer token ids (int64 or int32), got {targets.dtype}: "
+                "convert them with .long() if they are whole numbers"
+            )
+        vocab = self.config.vocab_size
+        message = f"targets must hold ids in [0, vocab_size={vocab}) or -100 (ignored)"
+        valid = (targets == -100) | ((targets >= 0) & (targets < vocab))
+        if targets.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(valid.all(), message)  # fails at the next sync, no graph break
+        elif not bool(valid.all()):
+            raise ValueError(message)
+        return targets
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -198,6 +218,8 @@ class TransformerLM(nn.Module):
         ``new_caches()``; idx are then the tokens after those already consumed.
         """
         idx = self._check_idx(idx)
+        if targets is not None:
+            targets = self._check_targets(targets, idx)
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one cache per layer ({len(self.blocks)})")
         x = self.drop(self.wte(idx))
@@ -207,8 +229,6 @@ class TransformerLM(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(idx.shape):
-                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}")
             loss = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten().long(), ignore_index=-100
             )

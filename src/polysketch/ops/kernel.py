@@ -265,8 +265,13 @@ def kernel_attention(
 ):
     """Attention with scores s(q_i, k_j) = φq(q_i)·φk(k_j) (squared if ``feature_map.square``).
 
-    Applies ``feature_map.query`` / ``feature_map.key`` and ``linear_attention`` (see there for
-    every argument). Shapes: q (..., Tq, D), k (..., Tk, D), v (..., Tk, E) -> (..., Tq, E).
+    Applies the feature map through ``features.stability.attention_features`` and then
+    ``linear_attention`` (see there for every argument). Shapes: q (..., Tq, D),
+    k (..., Tk, D), v (..., Tk, E) -> (..., Tq, E). With ``normalize=True`` and
+    ``denominator_offset=0`` the queries are ``feature_map.query_stabilized`` (a positive
+    factor per row, which cancels: exact, and finite where exp(scale·q·k) is not); features
+    that overflow, and normalizers the eps guard would alter, raise ValueError naming the
+    cause and the fix (``features.stability``).
     ``checkpoint=True`` recomputes the features and the attention in the backward pass
     instead of storing them (PolySketchFormer §4, rematerialization), through
     ``torch.utils.checkpoint`` with ``use_reentrant=False``; the values and gradients are
@@ -284,10 +289,21 @@ def kernel_attention(
             f"got {tuple(q.shape)}"
         )
 
+    # stabilized queries and range checks (the FeatureMap contract; imported here so that this
+    # change stays inside kernel_attention while ops/ is being restructured)
+    from ..features.stability import attention_features
+
+    initial_sums = getattr(initial_state, "denominator", None)
+
     def run(q, k, v):
+        phi_q, phi_k = attention_features(
+            feature_map, q, k, causal=causal, eps=eps, normalize=normalize,
+            denominator_offset=denominator_offset, key_padding_mask=key_padding_mask,
+            initial_sums=initial_sums,
+        )  # fmt: skip
         return linear_attention(
-            feature_map.query(q),
-            feature_map.key(k),
+            phi_q,
+            phi_k,
             v,
             causal=causal,
             square=feature_map.square,

@@ -4,11 +4,18 @@
 - ``MQARData``: an MQAR train/validation set for ``train``; a ``polysketch.data.Corpus`` is
   the other accepted data.
 - ``warmup_cosine``: the LambdaLR schedule; ``learning_rate``: its formula.
-- ``save_checkpoint`` / ``load_checkpoint``: atomic checkpoints with RNG states.
+- ``save_checkpoint`` / ``load_checkpoint``: atomic, checksummed checkpoints with RNG states,
+  loaded without running code (``CheckpointError`` names a refused or damaged file).
 """
 
 from .batches import CorpusBatches, MQARBatches, MQARData
-from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from .distributed import DistContext, rank_slice
 from .loop import CHECKPOINT_NAME, TrainConfig, param_groups, train
 from .schedule import WarmupCosine, learning_rate, warmup_cosine
@@ -27,6 +34,7 @@ __all__ = [
     "DistContext",
     "rank_slice",
     "save_checkpoint",
+    "CheckpointError",
     "load_checkpoint",
     "rng_state",
     "set_rng_state",

@@ -1,33 +1,110 @@
-"""Checkpoints that never lose work and resume exactly.
+"""Checkpoints that never lose work, never run code on load, and detect damage.
 
-A checkpoint is one ``torch.save`` file written atomically: the bytes go to a temporary file
-in the same folder, are flushed and fsync'ed, and the file is renamed over the target
-(``os.replace`` is atomic on POSIX and Windows), so a crash mid-write leaves the previous
-checkpoint intact. It holds whatever state dicts the caller passes (model — including the
-feature maps' random buffers —, optimizer, scheduler, data position, ...) plus the RNG states
-of Python, NumPy and torch (CPU and every CUDA device), so that resuming continues the very
-same random streams.
+``save_checkpoint(path, state)`` and ``load_checkpoint(path)`` are the single entry points:
+every checkpoint of the package (``polysketch train``, the demo's runs, and later sharded or
+context-parallel models) is written and read by them.
+
+Format, version 2 (written since the ``#16`` safety fixes): one ``torch.save`` file holding ::
+
+    {"format": "polysketch.checkpoint", "version": 2,
+     "sha256": "<64 hex digits>", "state": STATE}
+
+* ``STATE`` is the caller's dict (model, optimizer, scheduler, data position, configs,
+  history, ...) plus ``"rng"``: the RNG states of Python (a tuple of ints), NumPy
+  (``{"bit_generator": "MT19937", "key": int64 tensor (624,), "pos", "has_gauss",
+  "cached_gaussian"}``) and torch (CPU, and every CUDA device), so a resumed run continues
+  the very same random streams. Only tensors, dicts, lists, tuples, str, int, float, bool
+  and None may appear: ``save_checkpoint`` refuses anything else, naming where it is.
+* ``sha256`` is the SHA-256 of a deterministic traversal of ``STATE`` (``state_digest``):
+  containers in order (dict items in insertion order, which pickling keeps) with their kind
+  and length; each tensor as dtype, shape and raw bytes; each plain leaf as a typed text
+  (floats as ``float.hex``); a dict of plain scalars (a history row) as its ``repr``.
+  ``load_checkpoint`` recomputes it and refuses a file whose content does not match: a
+  flipped bit in tensor data is an error, not a silent change.
+
+Writing is atomic (``polysketch._files.atomic_write``): a crash mid-write leaves the previous
+checkpoint intact, and the temporary ``.ckpt.pt.*.tmp`` files of a crashed writer are removed
+by ``remove_stale_temporaries`` at the next start. Loading uses
+``torch.load(weights_only=True)``: a file whose pickle would import or call anything beyond
+tensors and plain containers (a crafted ``__reduce__`` running a command) is refused with a
+``CheckpointError`` before anything of it runs. Empty, truncated or otherwise unreadable
+files raise ``CheckpointError`` too; every message names the file.
+
+Version 1 (before the safety fixes: the same state, unwrapped, with NumPy's RNG state
+pickled as an ``ndarray``) still loads: the NumPy array is rebuilt through an allowlist of
+exactly ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype`` and the
+uint32 dtype class (``torch.serialization.safe_globals``), still under ``weights_only=True``.
+It carries no checksum, so it is loaded unverified; the next save writes version 2.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import random
-import tempfile
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint"]
+from .._files import atomic_write, remove_stale_temporaries
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "CheckpointError",
+    "rng_state",
+    "set_rng_state",
+    "save_checkpoint",
+    "load_checkpoint",
+    "state_digest",
+    "remove_stale_temporaries",
+]
+
+CHECKPOINT_FORMAT = "polysketch.checkpoint"
+CHECKPOINT_VERSION = 2
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded safely and exactly; the message names the file."""
+
+
+def _numpy_allowlist() -> list:
+    """The NumPy globals a version-1 checkpoint's pickled RNG state needs, and no others:
+    the array rebuilder, ``ndarray``, ``dtype`` and the uint32 dtype's class (the MT19937 key).
+    """
+    core = getattr(np, "_core", None) or np.core  # numpy >= 2 | numpy 1.x
+    reconstruct = core.multiarray._reconstruct
+    allowed = [
+        (reconstruct, "numpy.core.multiarray._reconstruct"),  # written by numpy 1.x
+        (reconstruct, "numpy._core.multiarray._reconstruct"),  # written by numpy 2.x
+        np.ndarray,
+        np.dtype,
+    ]
+    uint32 = type(np.dtype(np.uint32))  # numpy.dtypes.UInt32DType (numpy >= 1.25)
+    if uint32 is not np.dtype:
+        allowed.append(uint32)
+    return allowed
+
+
+# ----- RNG states --------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    """The RNG states of Python, NumPy and torch (CPU and CUDA)."""
+    """The RNG states of Python, NumPy and torch (CPU and CUDA), as tensors and plain types."""
+    bit_generator, key, pos, has_gauss, gauss = np.random.get_state()  # noqa: NPY002
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002 (legacy global state is what we save)
+        "numpy": {
+            "bit_generator": str(bit_generator),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -36,52 +113,212 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore states captured by ``rng_state``."""
+    """Restore states captured by ``rng_state`` (or a version-1 checkpoint's)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
-    torch.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, Mapping):
+        key = np.asarray(numpy_state["key"].cpu().numpy(), dtype=np.uint32)
+        numpy_state = (
+            numpy_state["bit_generator"],
+            key,
+            int(numpy_state["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["cached_gaussian"]),
+        )
+    np.random.set_state(numpy_state)  # noqa: NPY002
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
+# ----- the checksum ------------------------------------------------------------------------
+def _where(trail: tuple) -> str:
+    return "state" + "".join(f"[{key!r}]" for key in trail)
+
+
+_SCALARS = (int, float, str, bool, type(None))  # exact types: subclasses do not load back
+_MAPPINGS = (dict, OrderedDict)
+_SEQUENCES = {list: "L", tuple: "U", torch.Size: "Z"}
+
+
+def _feed(h, parts: list[bytes], obj, trail: tuple) -> None:
+    """Append ``obj``'s typed encoding to ``parts`` (tensor bytes go straight into ``h``).
+
+    Accepts exactly the types ``torch.load(weights_only=True)`` reads back (subclasses such
+    as NumPy scalars or enums are refused: they would not load)."""
+    kind = type(obj)
+    if kind is dict and all(type(k) in _SCALARS and type(v) in _SCALARS for k, v in obj.items()):
+        # a flat record (a history row): its repr is exact and typed (floats round-trip,
+        # 1 != 1.0 != True, quotes mark strings), one call instead of one per leaf
+        data = repr(obj).encode("utf-8", "surrogatepass")
+        parts.append(b"R" + struct.pack("<Q", len(data)) + data)
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.layout != torch.strided or t.is_quantized:
+            raise TypeError(f"{_where(trail)}: a {t.layout} tensor cannot be checksummed")
+        parts.append(f"T{t.dtype}{tuple(t.shape)};".encode())
+        h.update(b"".join(parts))
+        parts.clear()
+        flat = t.cpu().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy())
+    elif kind in _MAPPINGS:
+        parts.append(f"D{len(obj)};".encode())
+        for key, value in obj.items():
+            _feed(h, parts, key, trail)
+            _feed(h, parts, value, (*trail, key))
+    elif kind in _SEQUENCES:
+        parts.append(f"{_SEQUENCES[kind]}{len(obj)};".encode())
+        for i, value in enumerate(obj):
+            _feed(h, parts, value, (*trail, i))
+    elif obj is None or kind is bool:
+        parts.append(f"B{obj};".encode())
+    elif kind is int:
+        parts.append(f"I{obj};".encode())
+    elif kind is float:
+        parts.append(f"F{obj.hex()};".encode())
+    elif kind is str:
+        data = obj.encode("utf-8", "surrogatepass")
+        parts.append(b"S" + struct.pack("<Q", len(data)) + data)
+    elif kind in (torch.dtype, torch.device):
+        parts.append(f"O{obj};".encode())
+    else:
+        raise TypeError(
+            f"{_where(trail)} is a {kind.__module__}.{kind.__qualname__}: a checkpoint holds "
+            "only tensors, dicts, lists, tuples, str, int, float, bool and None (loading "
+            "never unpickles other objects); convert it to one of those (e.g. float(x))"
+        )
+
+
+def state_digest(state: Mapping) -> str:
+    """SHA-256 (hex) of the deterministic traversal of ``state`` described in the module doc."""
+    h = hashlib.sha256(b"polysketch.checkpoint/2;")
+    parts: list[bytes] = []
+    _feed(h, parts, state, ())
+    h.update(b"".join(parts))
+    return h.hexdigest()
+
+
+# ----- save / load -------------------------------------------------------------------------
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Atomically write ``state`` (plus ``rng_state()`` under ``"rng"``) to ``path``."""
+    """Atomically write ``state`` (plus ``rng_state()`` under ``"rng"``) to ``path``.
+
+    Writes format version 2 (module docstring). Raises ``TypeError`` naming the entry when
+    ``state`` holds anything but tensors and plain values, ``OSError`` naming ``path`` when
+    the write fails (the previous file at ``path`` is then left intact).
+    """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(state)
     payload.setdefault("rng", rng_state())
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    wrapped = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "sha256": state_digest(payload),
+        "state": payload,
+    }
+    return atomic_write(Path(path), lambda fh: torch.save(wrapped, fh))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in text.splitlines():
+        if any(cue in line.lower() for cue in ("global", "unsupported", "but got")):
+            return line.strip()
+    if not text:
+        return type(err).__name__
+    return text.splitlines()[0].split(". ")[0].strip()  # torch appends paragraphs of advice
+
+
+def _read(path: Path) -> Any:
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is damaged: the file is empty (0 bytes)")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    # make the rename itself durable
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(dir_fd)
-    return path
+        with torch.serialization.safe_globals(_numpy_allowlist()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only" in str(err).lower() or "weights_only" in str(err).lower():
+            raise CheckpointError(
+                f"checkpoint {path} was refused: loading it would import or call objects that "
+                f"a polysketch checkpoint never holds ({_first_line(err)}); it may have been "
+                "crafted to run code. Nothing of it was executed."
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {path} is damaged (truncated, empty or corrupt): {_first_line(err)}"
+        ) from None
+    except (PermissionError, IsADirectoryError) as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror}") from None
+    except Exception as err:  # torch.load's errors on a broken file are of any type
+        detail = _first_line(err)
+        if detail != type(err).__name__:
+            detail = f"{type(err).__name__}: {detail}"
+        raise CheckpointError(
+            f"checkpoint {path} is damaged (truncated or not a torch file): {detail}"
+        ) from None
+
+
+def _to_device(obj, device: torch.device):
+    """``obj`` with every tensor moved to ``device`` (what ``torch.load``'s map_location does)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj
 
 
 def load_checkpoint(
     path: str | os.PathLike, *, map_location="cpu", restore_rng: bool = True
 ) -> dict:
-    """Read a checkpoint written by ``save_checkpoint``; restore its RNG states if asked."""
+    """Read a checkpoint written by ``save_checkpoint``; restore its RNG states if asked.
+
+    The file is read and verified on the CPU; ``map_location`` (a device) then receives every
+    tensor but the RNG states. Returns the ``state`` dict that was saved (with ``"rng"``).
+    Raises ``FileNotFoundError`` for a missing file and ``CheckpointError`` (a ``ValueError``
+    naming the file) for a file that is refused (code on load), damaged (empty, truncated,
+    checksum mismatch), written by a newer format version, or not a polysketch checkpoint.
+    """
     path = Path(path)
+    if map_location is not None and not isinstance(map_location, (str, torch.device)):
+        raise TypeError(
+            "map_location must be a device (str or torch.device), got "
+            f"{type(map_location).__name__}"
+        )
+    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    state = torch.load(path, map_location=map_location, weights_only=False)
+    obj = _read(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"checkpoint {path} is not a polysketch checkpoint (holds a {type(obj).__name__})"
+        )
+    if "format" in obj:
+        if obj.get("format") != CHECKPOINT_FORMAT or not isinstance(obj.get("version"), int):
+            raise CheckpointError(f"checkpoint {path} has an unknown format {obj.get('format')!r}")
+        if obj["version"] > CHECKPOINT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {path} has format version {obj['version']}; this polysketch reads "
+                f"versions <= {CHECKPOINT_VERSION}: upgrade polysketch"
+            )
+        state = obj.get("state")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path} is damaged: its state is not a dict")
+        try:
+            digest = state_digest(state)
+        except TypeError as err:
+            raise CheckpointError(f"checkpoint {path} is damaged: {err}") from None
+        if digest != obj.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: its content does not match the sha256 stored "
+                "in it (a damaged copy or disk): restore it from a backup or train again"
+            )
+    else:  # version 1: the state itself, no checksum (see the module docstring)
+        state = obj
     if restore_rng and "rng" in state:
         set_rng_state(state["rng"])
+    if device.type != "cpu":  # verified on the CPU, then moved (the RNG states stay there)
+        state = {k: v if k == "rng" else _to_device(v, device) for k, v in state.items()}
     return state

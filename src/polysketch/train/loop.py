@@ -16,11 +16,16 @@ loss is divided by ``grad_accum`` and back-propagated (DDP gradient sync on the 
 gradients are clipped to ``grad_clip`` in global norm; AdamW steps with decay on matrices only
 (no decay on norms, biases, embeddings, as nanoGPT); the LambdaLR schedule steps.
 
-Checkpoints (``out_dir/ckpt.pt``, atomic) hold the model (the feature maps' random buffers
-included), optimizer, scheduler, data-sampler state, Python/NumPy/torch RNG states, the step,
-both configs and the history, so ``resume=True`` continues bit-for-bit on CPU: N steps, save,
-resume, N steps gives the same losses and parameters as 2N straight steps. Metrics go to
-``out_dir/metrics.csv`` and ``out_dir/metrics.jsonl`` (rank 0 only).
+Checkpoints (``out_dir/ckpt.pt``, atomic and checksummed, see ``train.checkpoint``) hold the
+model (the feature maps' random buffers included), optimizer, scheduler, data-sampler state,
+Python/NumPy/torch RNG states, the step, both configs and the history, so ``resume=True``
+continues bit-for-bit on CPU: N steps, save, resume, N steps gives the same losses and
+parameters as 2N straight steps. Metrics go to ``out_dir/metrics.csv`` and
+``out_dir/metrics.jsonl`` (rank 0 only). At the start, rank 0 removes the temporary
+``.ckpt.pt.*.tmp`` files a crashed save left in ``out_dir``. ``train`` writes into
+``out_dir`` as told: refusing to replace an earlier run is the caller's decision (the
+``polysketch train`` command refuses a non-empty ``--out`` without ``--resume`` or
+``--overwrite``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
 from . import distributed
 from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .schedule import warmup_cosine
 
 __all__ = [
@@ -179,18 +184,29 @@ class _MetricFiles:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.paths = (out_dir / "metrics.csv", out_dir / "metrics.jsonl")
-        with open(self.paths[0], "w", newline="") as f:
+        with self._writing(self.paths[0]), open(self.paths[0], "w", newline="") as f:
             csv.DictWriter(f, METRIC_FIELDS).writeheader()
-        self.paths[1].write_text("")
+        with self._writing(self.paths[1]):
+            self.paths[1].write_text("")
         for row in rows:
             self.write(row)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _writing(path: Path):
+        """Re-raise a failed write (ENOSPC has no file name) as an OSError naming ``path``."""
+        try:
+            yield
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise OSError(err.errno, f"cannot write {path}: {reason}") from err
 
     def write(self, row: dict) -> None:
         if self.paths is None:
             return
-        with open(self.paths[0], "a", newline="") as f:
+        with self._writing(self.paths[0]), open(self.paths[0], "a", newline="") as f:
             csv.DictWriter(f, METRIC_FIELDS).writerow({k: row.get(k, "") for k in METRIC_FIELDS})
-        with open(self.paths[1], "a") as f:
+        with self._writing(self.paths[1]), open(self.paths[1], "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
@@ -212,9 +228,11 @@ def train(
         train_config: a ``TrainConfig``; ``steps`` is the total step count (a resumed run
             continues up to it).
         data: a ``Corpus`` or ``MQARData``.
-        resume: continue from ``out_dir/ckpt.pt`` (same model config required).
+        resume: continue from ``out_dir/ckpt.pt`` (same model config required; a damaged,
+            refused or mismatched checkpoint raises ``CheckpointError`` naming the file).
         progress: show a tqdm bar (rank 0 only).
-        metadata: extra picklable information stored in every checkpoint (e.g. the data source).
+        metadata: extra information stored in every checkpoint (e.g. the data source): plain
+            values only (dicts, lists, str, numbers, bool, None, tensors).
         stop_after: stop (with a checkpoint) after this step, as a time-boxed job would; the
             schedule still spans ``steps`` and ``resume=True`` continues the same run.
 
@@ -254,6 +272,8 @@ def train(
 
     ctx = distributed.setup(cfg.device)
     try:
+        if ckpt_path is not None and ctx.is_main:
+            remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
         torch.manual_seed(cfg.seed)
         model = TransformerLM(model_config).to(ctx.device)
         optimizer = torch.optim.AdamW(
@@ -267,16 +287,25 @@ def train(
         step = 0
         if resume:
             state = load_checkpoint(ckpt_path, map_location=ctx.device)
-            if state["model_config"] != asdict(model_config):
-                raise ValueError("model_config differs from the checkpoint's model_config")
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            scheduler.lr_lambdas[0].total_steps = cfg.steps  # the run may be extended
-            for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-                group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
-            batches.load_state_dict(state["data"])
-            history, step = state["history"], int(state["step"])
+            if state.get("model_config") != asdict(model_config):
+                raise CheckpointError(
+                    f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
+                    "model_config (resume takes the checkpoint's)"
+                )
+            try:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+                scheduler.lr_lambdas[0].total_steps = cfg.steps  # the run may be extended
+                for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+                    group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
+                batches.load_state_dict(state["data"])
+                history, step = state["history"], int(state["step"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as err:
+                detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+                raise CheckpointError(
+                    f"checkpoint {ckpt_path} does not fit this run ({type(err).__name__}: {detail})"
+                ) from None
         raw_model = model
         if ctx.distributed:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None

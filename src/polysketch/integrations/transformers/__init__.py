@@ -39,6 +39,7 @@ from .linearize import (
     linearize,
     trainable_attention_parameters,
 )
+from .lora import lora_targets, peft_modules_to_save
 
 __all__ = [
     "ATTENTION_NAME",
@@ -52,6 +53,8 @@ __all__ = [
     "finetune",
     "linearize",
     "load_converted",
+    "lora_targets",
+    "peft_modules_to_save",
     "polysketch_attention_forward",
     "polysketch_settings",
     "trainable_attention_parameters",

@@ -47,7 +47,7 @@ from ..._checks import check_int, check_positive_int
 from ..._checks import compute_dtype as _compute_dtype
 from ...features import available, get_class
 from ...nn.cache import MixedCache, RecurrentCache
-from ...nn.heads import MultiHeadFeatureMap, _accepts
+from ...nn.heads import MultiHeadFeatureMap
 from ...nn.presets import SOFTMAX_TARGET_MAPS, resolve_attention
 from ...ops import linear_attention, polynomial_attention
 from ...ops.mixed import mixed_attention
@@ -110,7 +110,7 @@ class PolysketchAttention(nn.Module):
             mixed
             and "degree" in kwargs
             and attention in available()
-            and not _accepts(get_class(attention), "degree")
+            and not get_class(attention).takes("degree")
         ):
             local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
         if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)

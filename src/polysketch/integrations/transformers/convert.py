@@ -22,6 +22,7 @@ Other causal LMs whose attention modules have ``layer_idx``, ``scaling`` and ``h
 from __future__ import annotations
 
 import json
+import logging
 import types
 from pathlib import Path
 
@@ -33,7 +34,14 @@ from ...nn.presets import valid_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention, register
 from .cache import PolysketchCache
 
-__all__ = ["FAMILIES", "attention_modules", "convert", "load_converted", "polysketch_settings"]
+__all__ = [
+    "FAMILIES",
+    "attention_modules",
+    "convert",
+    "converted_cores",
+    "load_converted",
+    "polysketch_settings",
+]
 
 CONFIG_KEY = "polysketch"
 """The attribute of ``model.config`` holding the conversion settings (saved in config.json)."""
@@ -87,6 +95,14 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             f"(model_type={getattr(config, 'model_type', None)!r}; supported: {sorted(FAMILIES)})"
         )
     return sorted(found, key=lambda m: m.layer_idx)
+
+
+def converted_cores(model: nn.Module) -> list[PolysketchAttention]:
+    """The ``PolysketchAttention`` modules ``convert`` attached, in order (raises if none)."""
+    cores = [m for m in model.modules() if isinstance(m, PolysketchAttention)]
+    if not cores:
+        raise ValueError("model has no polysketch attention: call convert(model) first")
+    return cores
 
 
 def polysketch_settings(model: nn.Module) -> dict | None:
@@ -228,13 +244,54 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class _HeldLoadReport(logging.Filter):
+    """Holds back transformers' LOAD REPORT for one path, to be shown only if it matters."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.held = path, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" in message and self.path in message:
+            self.held.append(record)
+            return False
+        return True
+
+
+def _from_pretrained_quietly(model_class, path: str, **kwargs):
+    """``from_pretrained`` without its LOAD REPORT when the report only lists the polysketch
+    tensors as UNEXPECTED (the original architecture has no place for them; ``load_converted``
+    loads them next). Any other finding (missing, mismatched, other unexpected keys) is
+    reported as transformers reports it. Returns (model, loading info)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    hold = _HeldLoadReport(path)
+    logger.addFilter(hold)
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        logger.removeFilter(hold)
+    only_ours = (
+        not info.get("missing_keys")
+        and not info.get("mismatched_keys")
+        and not info.get("error_msgs")
+        and all(".polysketch." in key for key in info.get("unexpected_keys", ()))
+    )
+    if not only_ours:
+        for record in hold.held:
+            logger.handle(record)
+    return model, info
+
+
 def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
     """Load a model saved after ``convert`` (``save_pretrained``) with its polysketch modules.
 
-    transformers' ``from_pretrained`` builds the original architecture (and warns that the
-    polysketch tensors are unexpected); this then ``convert``s it with the settings saved in
-    ``config.json`` and loads those tensors. ``model_class`` defaults to
-    ``AutoModelForCausalLM``; extra keywords go to ``from_pretrained``.
+    transformers' ``from_pretrained`` builds the original architecture; this then
+    ``convert``s it with the settings saved in ``config.json`` and loads the polysketch
+    tensors. transformers' LOAD REPORT, which lists those tensors as UNEXPECTED, is silenced
+    when they are all it lists (a report of anything else is shown). ``model_class`` defaults
+    to ``AutoModelForCausalLM``; extra keywords go to ``from_pretrained``
+    (``output_loading_info=True`` returns ``(model, loading_info)`` as there).
     """
     path = Path(path)
     if not path.is_dir():
@@ -243,7 +300,8 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
         from transformers import AutoModelForCausalLM as model_class
     register()
     from_pretrained_kwargs.setdefault("attn_implementation", "sdpa")
-    model = model_class.from_pretrained(str(path), **from_pretrained_kwargs)
+    want_info = bool(from_pretrained_kwargs.pop("output_loading_info", False))
+    model, info = _from_pretrained_quietly(model_class, str(path), **from_pretrained_kwargs)
     settings = polysketch_settings(model)
     if settings is None:
         raise ValueError(f"{str(path)!r} holds no polysketch settings (config.{CONFIG_KEY})")
@@ -263,4 +321,4 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks polysketch tensors, e.g. {missing[:3]}")
     model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
-    return model
+    return (model, info) if want_info else model

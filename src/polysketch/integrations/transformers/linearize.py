@@ -14,7 +14,20 @@ Following Hedgehog (Zhang et al. 2024) and LoLCATs (Zhang et al. 2025):
   projections plus the added modules, merged back afterwards, or a full fine-tune.
 
 ``linearize`` runs all of it and measures the validation loss (nats/token; perplexity =
-exp) of the original, after conversion, after stage 1 and after stage 2.
+exp) of the original, after conversion, after stage 1 and after stage 2. With LoRA, the
+target modules (``lora_targets``: the linear layers of the attention modules, or the names
+given) are checked against the model before any work, so a model they do not fit fails at
+once, not after conversion and transfer.
+
+Using peft yourself: ``get_peft_model`` freezes every module it does not adapt, the ones
+``convert`` added included, so they would silently stop training. Pass
+``modules_to_save=peft_modules_to_save(model)`` to ``LoraConfig`` (trainable copies, merged
+back by ``merge_and_unload``), or set ``requires_grad`` on ``trainable_attention_parameters``
+after ``get_peft_model`` (what ``finetune`` does)::
+
+    config = LoraConfig(r=8, target_modules=lora_targets(model),
+                        modules_to_save=peft_modules_to_save(model))
+    peft_model = get_peft_model(model, config)
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,8 +44,8 @@ from tqdm import tqdm
 
 from ..._checks import check_float, check_int, check_positive_int
 from ...train.batches import CorpusBatches
-from .attention import PolysketchAttention
-from .convert import attention_modules, convert
+from .convert import attention_modules, convert, converted_cores
+from .lora import lora_model, lora_targets, peft_modules_to_save, require_peft
 
 __all__ = [
     "LinearizeConfig",
@@ -39,20 +53,14 @@ __all__ = [
     "evaluate_loss",
     "finetune",
     "linearize",
+    "lora_targets",
+    "peft_modules_to_save",
     "trainable_attention_parameters",
     "EVAL_BATCH",
 ]
 
 EVAL_BATCH = 8
 """Windows per evaluation batch: the validation set is ``eval_batches · EVAL_BATCH`` windows."""
-
-LORA_TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "gpt_neox": ["query_key_value", "dense"],
-    "gpt2": ["c_attn", "attn.c_proj"],
-}
 
 
 @dataclass
@@ -65,6 +73,9 @@ class LinearizeConfig:
 
     finetune: "lora" (peft adapters on the attention projections + the added modules,
     merged after training), "full" (every weight) or "none".
+
+    lora_targets: module names (or name suffixes, as peft matches them) that LoRA adapts;
+    None: the linear layers of the attention modules (``lora_targets(model)``).
     """
 
     seq_len: int = 256
@@ -76,6 +87,7 @@ class LinearizeConfig:
     finetune_lr: float = 1e-3
     finetune: str = "lora"
     lora_rank: int = 8
+    lora_targets: tuple[str, ...] | None = None
     eval_batches: int = 16
     seed: int = 0
     progress: bool | None = None
@@ -96,21 +108,22 @@ class LinearizeConfig:
             setattr(self, name, v)
         if self.finetune not in ("lora", "full", "none"):
             raise ValueError(f"finetune must be 'lora', 'full' or 'none', got {self.finetune!r}")
+        if self.lora_targets is not None:
+            if isinstance(self.lora_targets, str) or not all(
+                isinstance(t, str) and t for t in self.lora_targets
+            ):
+                raise TypeError(
+                    f"lora_targets must be a sequence of module names, got {self.lora_targets!r}"
+                )
+            self.lora_targets = tuple(self.lora_targets)
 
     def tokens(self, steps: int, batch_size: int | None = None) -> int:
         return steps * (self.batch_size if batch_size is None else batch_size) * self.seq_len
 
 
-def _cores(model: nn.Module) -> list[PolysketchAttention]:
-    cores = [m for m in model.modules() if isinstance(m, PolysketchAttention)]
-    if not cores:
-        raise ValueError("model has no polysketch attention: call convert(model) first")
-    return cores
-
-
 def trainable_attention_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters ``convert`` added (q/k norms, learnable feature maps)."""
-    return [p for core in _cores(model) for p in core.parameters()]
+    return [p for core in converted_cores(model) for p in core.parameters()]
 
 
 def _show(progress: bool | None) -> bool:
@@ -172,7 +185,7 @@ def attention_transfer(
     """
     steps = check_int(steps, "steps", minimum=0)
     lr = check_float(lr, "lr", minimum=0.0, strict_minimum=True)
-    cores = _cores(model)
+    cores = converted_cores(model)
     params = trainable_attention_parameters(model)
     if not params or steps == 0:
         return []
@@ -214,21 +227,6 @@ def attention_transfer(
     return history
 
 
-def _lora_model(model: nn.Module, rank: int):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:  # pragma: no cover - only without the extra
-        raise ImportError("LoRA fine-tuning needs peft: pip install polysketch[hf]") from err
-    model_type = model.config.get_text_config(decoder=True).model_type
-    targets = LORA_TARGETS.get(model_type)
-    if targets is None:
-        raise ValueError(
-            f"no LoRA targets known for model_type={model_type!r}: use finetune='full'"
-        )
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
-    return get_peft_model(model, config)
-
-
 def finetune(
     model: nn.Module,
     tokens: torch.Tensor,
@@ -239,14 +237,16 @@ def finetune(
     lr: float = 1e-3,
     mode: str = "lora",
     lora_rank: int = 8,
+    lora_targets: Sequence[str] | None = None,
     seed: int = 1,
     progress: bool | None = None,
 ) -> tuple[nn.Module, list[float]]:
     """Stage 2: next-token loss on random windows of ``tokens``; returns (model, losses).
 
-    ``mode="lora"``: peft LoRA (rank ``lora_rank``) on the attention projections, plus the
-    added polysketch modules, merged into the weights afterwards (the returned model is a
-    plain transformers model again); ``"full"``: every parameter trains.
+    ``mode="lora"``: peft LoRA (rank ``lora_rank``) on ``lora_targets`` (None: the attention
+    projections, see ``lora_targets``), plus the added polysketch modules, merged into the
+    weights afterwards (the returned model is a plain transformers model again); ``"full"``:
+    every parameter trains.
     """
     steps = check_int(steps, "steps", minimum=0)
     if mode not in ("lora", "full"):
@@ -256,7 +256,7 @@ def finetune(
     requires = {p: p.requires_grad for p in model.parameters()}
     added = trainable_attention_parameters(model)
     if mode == "lora":
-        train_model = _lora_model(model, check_positive_int(lora_rank, "lora_rank"))
+        train_model = lora_model(model, check_positive_int(lora_rank, "lora_rank"), lora_targets)
         for p in added:
             p.requires_grad_(True)
     else:
@@ -305,7 +305,7 @@ def decode_state_floats(model: nn.Module, seq_len: int) -> dict[str, int]:
     """
     config = model.config.get_text_config(decoder=True)
     h_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    cores = _cores(model)
+    cores = converted_cores(model)
     kv = sum(2 * h_kv * c.head_dim * seq_len for c in cores)
     if cores[0].uses_state_cache:
         state = sum(c.decode_state_size(seq_len) for c in cores)
@@ -333,6 +333,10 @@ def linearize(
     if not isinstance(cfg, LinearizeConfig):
         raise TypeError(f"config must be a LinearizeConfig, got {type(cfg).__name__}")
     attention_modules(model)  # fail early on unsupported models
+    targets = None
+    if cfg.finetune == "lora" and cfg.finetune_steps > 0:  # fail early, not after the transfer
+        require_peft()
+        targets = lora_targets(model, cfg.lora_targets)
     ev = {"seq_len": cfg.seq_len, "batch_size": EVAL_BATCH, "max_batches": cfg.eval_batches}
     res: dict = {"attention": attention, "config": asdict(cfg)}
     t0 = time.perf_counter()
@@ -349,7 +353,8 @@ def linearize(
     model, res["finetune_history"] = finetune(
         model, train_tokens, steps=ft_steps, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         lr=cfg.finetune_lr, mode="lora" if cfg.finetune == "none" else cfg.finetune,
-        lora_rank=cfg.lora_rank, seed=cfg.seed + 1, progress=cfg.progress,
+        lora_rank=cfg.lora_rank, lora_targets=targets, seed=cfg.seed + 1,
+        progress=cfg.progress,
     )  # fmt: skip
     res["loss_finetune"] = evaluate_loss(model, val_tokens, **ev)
     for stage in ("original", "converted", "transfer", "finetune"):

@@ -1,0 +1,211 @@
+"""Feature maps in attention: stabilized queries, and refusing what cannot be computed exactly.
+
+Linear attention computes, for query row i over the visible keys j,
+
+    out_i = Σ_j s_ij v_j / stab(offset + Σ_j s_ij),    s_ij = φq(q_i)·φk(k_j) (squared if square),
+
+with ``stab`` the denominator guard of ``polysketch.ops`` (|den| clamped to ≥ eps). The
+softmax-kernel maps' features hold exponentials: at scale 1 and ‖x‖ ≈ 16 the kernel exp(x·y)
+reaches e^256, beyond fp32, and their features over- or underflow long before (fp32 exp range
+≈ e^±88). ``attention_features`` returns the features the attention path should use and
+checks them; the rules, which are part of the ``FeatureMap`` contract (``features.base``):
+
+1. **Stabilized queries, only where exact.** When ``normalize=True`` and
+   ``denominator_offset == 0``, a positive factor c_i on query row i cancels between numerator
+   and normalizer, so the map's ``query_stabilized`` (row scaled so its largest |feature| is
+   about 1, computed in log space; ``stable_query`` maps) is used instead of ``query``. With an
+   offset, or without normalization, c_i does not cancel and the plain ``query`` is used.
+   Keys are never shifted: a per-key factor reweights keys, and a factor shared by all keys
+   would have to look at other, later tokens (performer-pytorch's causal leak).
+2. **Refuse overflow.** Query features (stabilized or not) and key features must be finite
+   in the input dtype (fp16 holds at most 65504; bf16 and fp32 about 3.4e38). Keys masked by
+   ``key_padding_mask`` are exempt (they never enter the state).
+3. **Refuse a normalizer the guard would alter** (``stable_query`` maps, non-square, whose
+   normalizer is computed here in O(T·F) beside the attention, as the ops do: causal
+   prefix sums of the visible keys' features plus ``initial_sums``): it must be finite, and
+   for non-negative maps on the stabilized path ≥ eps wherever the query sees a key. Below
+   eps the guard would clamp it and silently shrink the output (the "all-zero outputs" of
+   issue 22): after rule 1 that happens only when the KEY features are tiny, which no exact
+   per-token shift can repair. Signed maps (trig, hybrids, complex A) keep the guard: their
+   normalizers cross zero by design (DESIGN: ill-conditioned in low precision).
+
+Refusals raise ValueError on the CPU. On accelerators, and inside ``torch.compile``,
+``refuse_unless`` uses ``torch._assert_async`` instead (no host synchronization, no graph
+break; on a GPU the failure surfaces as a device assertion at the next synchronization and
+leaves the CUDA context unusable, as every device assert does; compiled CPU code raises
+RuntimeError); pass ``asynchronous=False`` to force the synchronous ValueError.
+
+For the attention core (``polysketch.nn``): call ``attention_features`` with the arguments you
+give ``linear_attention`` (``initial_sums`` = ``initial_state.denominator`` for non-square
+maps), then ``linear_attention`` on the returned features. A ``MultiHeadFeatureMap`` works as
+well as a ``FeatureMap`` (it has ``query_stabilized``, ``stable_query``, ``nonnegative``,
+``square``). For one decode step with a state, the same call with Tq = Tk = 1,
+``causal=True`` and ``initial_sums`` = the state's key sums checks that step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_float
+
+__all__ = ["attention_features", "refuse_unless", "range_advice"]
+
+
+def refuse_unless(ok: torch.Tensor, message: str, *, asynchronous: bool | None = None) -> None:
+    """Refuse (``message``) unless every element of the boolean tensor ``ok`` is True.
+
+    ``asynchronous=None`` decides by device: on the CPU a ValueError is raised (a host read is
+    free there); on accelerators, and inside ``torch.compile`` (where a host read would break
+    the graph), ``torch._assert_async(ok.all(), message)`` checks without a host
+    synchronization. ``True``/``False`` force one path (``True`` on the CPU raises
+    RuntimeError at once, which is how the device path is tested without a device).
+    """
+    if asynchronous is None:
+        asynchronous = ok.device.type != "cpu" or torch.compiler.is_compiling()
+    if asynchronous:
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise ValueError(message)
+
+
+def range_advice(feature_map, dtype: torch.dtype) -> str:
+    """What a user can change when a map's features or scores leave ``dtype``'s range."""
+    fixes = []
+    if dtype == torch.float16:
+        fixes.append("use bfloat16 (the range of float32) or float32 instead of float16")
+    scale = getattr(feature_map, "scale", None)
+    if getattr(feature_map, "family", None) == "softmax" and scale is not None:
+        fixes.append(f"lower scale (now {scale:.4g}; attention's usual 1/sqrt(D))")
+    fixes.append("normalize q and k (e.g. LayerNorm, qk_norm=True) to bound their norms")
+    if dtype != torch.float64:
+        fixes.append("or compute in float64")
+    return "; ".join(fixes)
+
+
+def _label(feature_map) -> str:
+    return repr(getattr(feature_map, "name", "") or type(feature_map).__name__)
+
+
+def _rows_ok(phi: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Per row: every feature finite (or the row masked out). phi (..., T, F) -> (..., T)."""
+    ok = torch.isfinite(phi).all(-1)
+    return ok if keep is None else ok | ~keep
+
+
+def _normalizers(phi_q, phi_k, *, causal, key_padding_mask, initial_sums):
+    """(den (..., Tq), visible (..., Tq)): Σ over the keys query i sees of φq_i·φk_j, in the
+    accumulation dtype, and whether it sees any key (non-square maps)."""
+    acc = torch.promote_types(phi_q.dtype, torch.float32)
+    q, k = phi_q.to(acc), phi_k.to(acc)
+    tq, tk = q.shape[-2], k.shape[-2]
+    count = None
+    if key_padding_mask is not None:
+        keep = key_padding_mask.unsqueeze(-1)
+        k = torch.where(keep, k, k.new_zeros(()))
+        count = key_padding_mask.to(torch.int64)
+    if causal:  # query i sees keys j <= i + (Tk - Tq)
+        sums = k.cumsum(-2)[..., tk - tq :, :]
+        if count is not None:
+            count = count.cumsum(-1)[..., tk - tq :]
+    else:
+        sums = k.sum(-2, keepdim=True)
+        if count is not None:
+            count = count.sum(-1, keepdim=True)
+    if initial_sums is not None:
+        sums = sums + initial_sums.to(acc).unsqueeze(-2)
+    den = (q * sums).sum(-1)
+    visible = torch.ones((), dtype=torch.bool, device=den.device) if count is None else count > 0
+    if initial_sums is not None:  # earlier keys are visible to every query
+        visible = visible | (initial_sums != 0).any(-1, keepdim=True)
+    return den, visible
+
+
+@torch.no_grad()
+def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_mask,
+           initial_sums, asynchronous) -> None:  # fmt: skip
+    dtype, name = phi_q.dtype, _label(feature_map)
+    advice = range_advice(feature_map, dtype)
+    stable = getattr(feature_map, "stable_query", False)
+    hint = ""
+    if stable and not stabilized:
+        hint = (
+            "with denominator_offset != 0 or normalize=False a query row cannot be rescaled "
+            "exactly (denominator_offset=0 with normalize=True would stabilize them); "
+        )
+    refuse_unless(
+        _rows_ok(phi_q, None),
+        f"query features of feature map {name} overflow {dtype} (or q holds NaN/Inf): "
+        f"{hint}{advice}",
+        asynchronous=asynchronous,
+    )
+    keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
+    refuse_unless(
+        _rows_ok(phi_k, keep),
+        f"key features of feature map {name} overflow {dtype} (or k holds NaN/Inf); keys cannot "
+        f"be rescaled exactly (a per-key factor reweights them): {advice}",
+        asynchronous=asynchronous,
+    )
+    if not stable or feature_map.square:
+        return
+    den, visible = _normalizers(
+        phi_q, phi_k, causal=causal, key_padding_mask=key_padding_mask, initial_sums=initial_sums
+    )
+    refuse_unless(
+        torch.isfinite(den) | ~visible,
+        f"the attention scores of feature map {name} overflow (the normalizer Σ_j φq·φk is not "
+        f"finite in {den.dtype}): {advice}",
+        asynchronous=asynchronous,
+    )
+    if stabilized and feature_map.nonnegative:
+        tiny = torch.finfo(den.dtype).tiny
+        refuse_unless(
+            (den >= max(eps, tiny)) | ~visible,
+            f"the attention normalizer of feature map {name} underflows: Σ_j φq(q_i)·φk(k_j) "
+            f"< eps={eps:g} for some query rows although their features are stabilized, "
+            "because the KEY features are too small (exp(−‖k‖²·scale/2) factors), which no "
+            f"exact per-token shift can repair; the guard would shrink those outputs: {advice}",
+            asynchronous=asynchronous,
+        )
+
+
+def attention_features(
+    feature_map,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    eps: float,
+    normalize: bool = True,
+    denominator_offset: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_sums: torch.Tensor | None = None,
+    asynchronous: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(φq, φk) for ``linear_attention``, stabilized where exact and checked (module docstring).
+
+    Args:
+        feature_map: a ``FeatureMap`` or ``MultiHeadFeatureMap``.
+        q: (..., Tq, D), k: (..., Tk, D), as for ``linear_attention``.
+        causal, eps, normalize, denominator_offset, key_padding_mask: the values that
+            ``linear_attention`` gets (they decide whether queries may be rescaled and which
+            keys each query sees).
+        initial_sums: (..., F) key sums Σ φk of earlier keys (``LinearAttentionState.
+            denominator`` of a non-square map), or None.
+        asynchronous: see ``refuse_unless`` (None: by device).
+
+    Returns:
+        φq (..., Tq, F) (``query_stabilized`` when normalize and the offset is 0, else
+        ``query``) and φk (..., Tk, F) = ``key(k)``, in the input dtype. Raises ValueError
+        (CPU) when the rules of the module docstring refuse the inputs.
+    """
+    offset = check_float(denominator_offset, "denominator_offset")
+    eps = check_float(eps, "eps", minimum=0.0)
+    stabilized = bool(normalize) and offset == 0.0
+    phi_q = feature_map.query_stabilized(q) if stabilized else feature_map.query(q)
+    phi_k = feature_map.key(k)
+    _check(
+        feature_map, phi_q, phi_k, stabilized=stabilized, causal=causal, eps=eps,
+        key_padding_mask=key_padding_mask, initial_sums=initial_sums, asynchronous=asynchronous,
+    )  # fmt: skip
+    return phi_q, phi_k

@@ -1,0 +1,282 @@
+"""Overflow in attention (issue 22 item 6): stabilized queries where exact, refusals elsewhere.
+
+Before: with scale 1 and ‖q‖ = ‖k‖ ≈ 16, kernel_attention returned all-zero outputs for
+positive and complex_exp and NaN for trig and the hybrids (fp32 and bf16), and fp16 inputs with
+|x| ≈ 100 gave inf/NaN for the polynomial maps. Now every such call either gives the exact
+normalized result (compared with an fp64 reference on the same features / kernel) or raises a
+ValueError naming the cause and the fix.
+"""
+
+import pytest
+import torch
+
+from polysketch import features, kernel_attention
+from polysketch.features.stability import attention_features, refuse_unless
+from polysketch.nn import MultiHeadFeatureMap
+from polysketch.ops import naive_linear_attention
+
+D, T, E = 16, 24, 5
+SOFTMAX = ["positive", "complex_exp", "trig", "hybrid_angular", "hybrid_gaussian"]
+STABLE = [n for n in features.available() if features.get_class(n).stable_query]
+F64 = torch.float64
+
+
+def on_sphere(radius, *shape, seed=0, dtype=torch.float32):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return (x / x.norm(dim=-1, keepdim=True) * radius).to(dtype)
+
+
+def qkv(rq, rk, dtype=torch.float32, seed=0):
+    q = on_sphere(rq, 2, T, D, seed=seed, dtype=dtype)
+    k = on_sphere(rk, 2, T, D, seed=seed + 1, dtype=dtype)
+    v = torch.randn(2, T, E, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    return q, k, v
+
+
+def build(name, **kw):
+    if features.get_class(name).takes("num_features"):
+        kw = {"num_features": 8} | kw
+    fm = features.create(name, D, seed=3, **kw)
+    if name == "hybrid_clustered":
+        g = torch.Generator().manual_seed(0)
+        fm.fit(torch.randn(64, D, generator=g), torch.randn(64, D, generator=g))
+    return fm
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def exact_reference(fm, q, k, v, causal=True):
+    """The normalized attention of the map's scores in fp64 (no guard): Σ s v / Σ s."""
+    f = build(fm.name)  # same seed, same draw
+    f.load_state_dict(fm.state_dict())
+    f = f.double()
+    return naive_linear_attention(
+        f.query(q.double()), f.key(k.double()), v.double(), causal=causal, eps=0.0
+    )
+
+
+# ----- the issue's reproductions ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_issue_reproduction_norm_16_scale_1_is_refused_with_the_cause(name, dtype):
+    q, k, v = qkv(16, 16, dtype)
+    fm = features.create(name, D, seed=0)  # defaults: scale 1.0
+    with pytest.raises(ValueError, match=r"(overflow|underflows).*lower scale.*normalize q and k"):
+        kernel_attention(q, k, v, fm, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rk", [2.0, 4.0])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_large_queries_are_stabilized_exactly(name, rk, dtype):
+    # ‖q‖ = 16: trig's query factor exp(128) overflows fp32, positive's rows sink to e^-80
+    # (below eps), so the old path gave NaN or ~0. The query rows are rescaled instead.
+    q, k, v = qkv(16, rk, dtype)
+    fm = build(name)
+    out = kernel_attention(q, k, v, fm, causal=True, chunk_size=8)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    # 1. exact given the features it used: fp64 attention of the same (rounded) features
+    phi_q, phi_k = fm.query_stabilized(q), fm.key(k)
+    same = naive_linear_attention(phi_q.double(), phi_k.double(), v.double(), causal=True, eps=0)
+    assert rel(out, same) <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    # 2. and it is the map's normalized attention (fp64 features, no stabilization)
+    if dtype == torch.float32:
+        signed = not fm.nonnegative  # denominators near zero amplify fp32 rounding
+        assert rel(out, exact_reference(fm, q, k, v)) <= (1e-3 if signed else 1e-5)
+
+
+@pytest.mark.parametrize(
+    "name", ["polysketch", "tensor_power", "tensorsketch", "fpa", "llops", "taylor"]
+)
+def test_fp16_large_inputs_are_exact_or_refused_naming_bfloat16(name):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, T, D, generator=g) * 100 for _ in range(2))
+    v = torch.randn(2, T, E, generator=g)
+    fm = features.create(name, D, seed=0)
+    for offset in (0.0, 1.0):
+        try:
+            out = kernel_attention(q.half(), k.half(), v.half(), fm, causal=True,
+                                   denominator_offset=offset)  # fmt: skip
+        except ValueError as err:
+            assert "float16" in str(err) and "bfloat16" in str(err)
+            continue
+        assert torch.isfinite(out).all()
+        f = fm.double()
+        ref = naive_linear_attention(
+            f.query(q.half().double()), f.key(k.half().double()), v.half().double(),
+            causal=True, denominator_offset=offset,
+        )  # fmt: skip
+        assert rel(out, ref) <= 1e-2
+    with pytest.raises(ValueError, match="float16"):
+        kernel_attention((q * 10).half(), (k * 10).half(), v.half(), fm, causal=True)
+    # only the queries overflow, offset 0: these maps have no stabilized form, so refuse
+    # (before this check the query side went unchecked on the offset-0 path)
+    small = k.half() / 100
+    with pytest.raises(ValueError, match="query features.*float16"):
+        kernel_attention((q * 10).half(), small, v.half(), fm, causal=True)
+
+
+# ----- the rules --------------------------------------------------------------------------------
+def test_offset_or_no_normalization_forbids_stabilization_and_refuses_overflow():
+    q, k, v = qkv(16, 2)
+    fm = build("trig")
+    kernel_attention(q, k, v, fm, causal=True)  # offset 0: stabilized, fine
+    with pytest.raises(ValueError, match=r"query features of feature map 'trig' overflow.*offset"):
+        kernel_attention(q, k, v, fm, causal=True, denominator_offset=1.0)
+    with pytest.raises(ValueError, match="query features of feature map 'trig' overflow"):
+        kernel_attention(q, k, v, fm, causal=True, normalize=False)
+
+
+def test_key_overflow_is_refused_never_shifted():
+    q, k, v = qkv(2, 16)
+    with pytest.raises(ValueError, match=r"key features of feature map 'trig' overflow.*per-key"):
+        kernel_attention(q, k, v, build("trig"), causal=False)
+
+
+def test_tiny_normalizer_of_a_nonnegative_map_is_refused():
+    # ‖q‖ = ‖k‖ = 8: every feature is representable, but the keys' exp(−‖k‖²/2) makes
+    # Σ_j φq·φk < eps even after the queries are stabilized; the guard would shrink outputs.
+    q, k, v = qkv(8, 8)
+    for name in ("positive", "complex_exp"):
+        with pytest.raises(ValueError, match="normalizer of feature map .* underflows"):
+            kernel_attention(q, k, v, build(name), causal=True)
+    # with an offset the guard never fires (offset + Σ ≥ offset): the formula's result stands
+    out = kernel_attention(q, k, v, build("positive"), causal=True, denominator_offset=1.0)
+    assert torch.isfinite(out).all()
+
+
+def test_masked_keys_and_fully_masked_rows_are_exempt():
+    q, k, v = qkv(1, 1)
+    k = k.clone()
+    k[:, :3] *= 100.0  # overflowing trig keys, but masked
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[:, :3] = False
+    out = kernel_attention(q, k, v, build("trig"), causal=True, key_padding_mask=mask)
+    assert torch.isfinite(out[:, 3:]).all()
+    with pytest.raises(ValueError, match="key features"):
+        kernel_attention(q, k, v, build("trig"), causal=True)
+    # left padding: the first queries see no key at all; no normalizer check for them
+    out = kernel_attention(q, q, v, build("positive"), causal=True, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", STABLE)
+def test_query_stabilized_is_a_positive_row_factor(name):
+    fm = build(name).double()
+    x = on_sphere(3.0, 7, D, seed=5, dtype=F64)
+    plain, stab = fm.query(x), fm.query_stabilized(x)
+    big = plain.abs() > 1e-200
+    ratio = torch.where(big, stab / plain, torch.nan)
+    c = torch.nanmean(ratio, dim=-1, keepdim=True)
+    assert (c > 0).all()
+    assert torch.allclose(stab, plain * c, rtol=1e-12, atol=0)
+    # far outside the representable range the stabilized row stays finite, max |φ| in [1/2, 1]
+    for radius in (20.0, 40.0):
+        y = on_sphere(radius, 7, D, seed=6)
+        row_max = fm.float().query_stabilized(y).abs().amax(-1)
+        assert torch.isfinite(row_max).all() and (row_max <= 1).all() and (row_max >= 0.5).all()
+        fm = fm.double()
+
+
+@pytest.mark.parametrize("name", [n for n in features.available() if n not in STABLE])
+def test_other_maps_query_stabilized_is_query(name):
+    fm = build(name)
+    x = torch.randn(3, D)
+    assert torch.equal(fm.query_stabilized(x), fm.query(x))
+
+
+@pytest.mark.parametrize("name", STABLE)
+def test_stabilized_path_same_outputs_and_gradients_fp64(name):
+    # moderate norms, where both paths are representable: identical results and gradients
+    fm = build(name).double()
+    q, k, v = (x.double().requires_grad_(True) for x in qkv(3.0, 2.0))
+
+    def run(stabilize):
+        phi_q = fm.query_stabilized(q) if stabilize else fm.query(q)
+        return naive_linear_attention(phi_q, fm.key(k), v, causal=True, eps=0.0)
+
+    outs, grads = [], []
+    for stabilize in (False, True):
+        out = run(stabilize)
+        outs.append(out.detach())
+        grads.append(torch.autograd.grad(out.pow(2).sum(), (q, k, v)))
+    assert rel(outs[1], outs[0]) <= 1e-10
+    for a, b in zip(grads[1], grads[0], strict=True):
+        assert rel(a, b) <= 1e-10
+    # and kernel_attention takes that path (offset 0) with the same gradients
+    out = kernel_attention(q, k, v, fm, causal=True, chunk_size=8, eps=0.0)
+    g = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    assert rel(out.detach(), outs[0]) <= 1e-10
+    for a, b in zip(g, grads[0], strict=True):
+        assert rel(a, b) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["positive", "trig", "hybrid_gaussian"])
+def test_stabilized_path_is_causal(name):
+    fm = build(name)
+    q, k, v = qkv(10.0, 2.0)
+    base = kernel_attention(q, k, v, fm, causal=True, chunk_size=8)
+    for t in (0, 7, 8, 15):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, t + 1 :] *= 1.5  # larger future queries: stabilized, so still in range
+        k2[:, t + 1 :] = on_sphere(2.0, 2, T - t - 1, D, seed=t)
+        v2[:, t + 1 :] *= 3
+        out = kernel_attention(q2, k2, v2, fm, causal=True, chunk_size=8)
+        assert torch.equal(out[:, : t + 1], base[:, : t + 1])
+
+
+def test_initial_state_is_checked_and_exact():
+    fm = build("positive")
+    q, k, v = qkv(12.0, 2.0)
+    full = kernel_attention(q, k, v, fm, causal=True, chunk_size=8)
+    _, state = kernel_attention(q[:, :10], k[:, :10], v[:, :10], fm, causal=True,
+                                return_state=True)  # fmt: skip
+    rest = kernel_attention(q[:, 10:], k[:, 10:], v[:, 10:], fm, causal=True,
+                            initial_state=state, chunk_size=8)  # fmt: skip
+    assert rel(rest, full[:, 10:]) <= 1e-5
+
+
+def test_multi_head_map_is_stabilized_per_head():
+    mh = MultiHeadFeatureMap("trig", D, 3, seed=0, num_features=8)
+    assert mh.stable_query and mh.family == "softmax"
+    x = on_sphere(16.0, 2, 3, 5, D)
+    got = mh.query_stabilized(x)
+    for h in range(3):
+        ref = mh.head_map(h).query_stabilized(x[:, h])  # sin of |ω·u| ~ 60: fp32 ulps
+        assert torch.allclose(got[:, h], ref, rtol=0, atol=2e-5)
+    assert torch.isfinite(got).all() and not torch.isfinite(mh.query(x)).all()
+    k = on_sphere(2.0, 2, 3, 5, D, seed=1)
+    phi_q, phi_k = attention_features(mh, x, k, causal=True, eps=1e-6)
+    assert torch.equal(phi_q, got)
+    with pytest.raises(ValueError, match="key features of feature map 'trig' overflow"):
+        attention_features(mh, k, x, causal=True, eps=1e-6)
+
+
+def test_refuse_unless_cpu_raises_and_device_path_asserts():
+    ok, bad = torch.tensor([True, True]), torch.tensor([True, False])
+    refuse_unless(ok, "fine")
+    refuse_unless(ok, "fine", asynchronous=True)
+    with pytest.raises(ValueError, match="^broken$"):
+        refuse_unless(bad, "broken")
+    # the accelerator path (torch._assert_async, no host sync), forced on the CPU
+    with pytest.raises(RuntimeError, match="broken"):
+        refuse_unless(bad, "broken", asynchronous=True)
+    q, k, _ = qkv(2, 16)
+    with pytest.raises(RuntimeError, match="key features of feature map 'trig' overflow"):
+        attention_features(build("trig"), q, k, causal=True, eps=1e-6, asynchronous=True)
+
+
+def test_compiled_attention_checks_without_graph_break():
+    fm = build("positive")
+
+    def fn(q, k, v):
+        return kernel_attention(q, k, v, fm, causal=True, chunk_size=8, algorithm="chunked_scan")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    q, k, v = qkv(12.0, 2.0)
+    assert rel(compiled(q, k, v), fn(q, k, v)) <= 1e-6
+    q, k, v = qkv(8.0, 8.0)
+    with pytest.raises(RuntimeError, match="underflows"):
+        compiled(q, k, v)
