@@ -142,3 +142,35 @@ def test_document_windows_stay_inside_one_document_and_positions_average_windows
     # "ccc…" (bytes 84–123) lies wholly inside, "bbb…" (52–81) straddles the split
     val = validation_documents(tmp_path, val_fraction=0.4)
     assert [bytes(d.tolist()).decode() for d in val] == ["c" * 40]
+
+
+def _tiny_data():
+    from polysketch.train import MQARData
+
+    rs = make_repeat(RepeatConfig(seq_len=32, passage_len=8, distance=16), 8, seed=0)
+    return MQARData(rs.inputs, rs.targets, rs.inputs[:2], rs.targets[:2], 256)
+
+
+def test_train_model_reuses_a_finished_run_and_refuses_other_settings(tmp_path):
+    from experiments.long_context.probe_training import ProbeSettings, train_model
+
+    data = _tiny_data()
+    settings = ProbeSettings(n_layer=1, n_embd=16, n_head=2, chunk_size=8, context=32,
+                             batch_size=2, steps=4, warmup_steps=1)  # fmt: skip
+    seen = []
+    model, facts = train_model("psf_mixed", data, settings, tmp_path / "run", progress=False,
+                               probe_every=2, on_probe=lambda m, s: seen.append(s))  # fmt: skip
+    assert seen == [2] and facts["steps"] == 4 and not facts["reused"]
+    again, facts2 = train_model("psf_mixed", data, settings, tmp_path / "run", progress=False)
+    assert facts2["reused"] and facts2["steps"] == 4
+    for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # segments resume exactly: the same run trained straight gives the same weights
+    straight, _ = train_model("psf_mixed", data, settings, tmp_path / "straight", progress=False)
+    for a, b in zip(model.state_dict().values(), straight.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="other settings"):
+        train_model("psf_mixed", data, ProbeSettings(**{**vars(settings), "lr": 2e-3}),
+                    tmp_path / "run", progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="another model"):
+        train_model("softmax", data, settings, tmp_path / "run", progress=False)
