@@ -6,10 +6,13 @@ import torch
 from conftest import rel_err
 from polysketch.ops import (
     LinearAttentionState,
+    dense_to_pair_state,
     linear_attention,
     linear_attention_step,
     naive_linear_attention,
+    pair_to_dense_state,
 )
+from polysketch.ops.pairs import compress
 
 F64 = torch.float64
 
@@ -64,9 +67,16 @@ def test_state_content(square):
     _, state = linear_attention(
         q, k, v, causal=True, square=square, return_state=True, chunk_size=4
     )
-    if square:
-        num = torch.einsum("btf,btg,bte->bfge", k, k, v)
-        den = torch.einsum("btf,btg->bfg", k, k)
+    if square:  # the pair layout (ops.state) of the dense Σ k⊗k⊗v, Σ k⊗k
+        dense_num = torch.einsum("btf,btg,bte->bfge", k, k, v)
+        dense_den = torch.einsum("btf,btg->bfg", k, k)
+        num, den = compress(dense_num), compress(dense_den, values=False)
+        assert num.shape == (2, 3 * (3 // 2 + 1), 4)
+        dense = pair_to_dense_state(state, 3)
+        assert rel_err(dense.numerator, dense_num) <= 1e-12
+        assert rel_err(dense.denominator, dense_den) <= 1e-12
+        back = dense_to_pair_state(dense)
+        assert torch.equal(back.numerator, state.numerator) and back.length == state.length
     else:
         num, den = k.transpose(-1, -2) @ v, k.sum(-2)
     assert state.numerator.shape == num.shape and state.denominator.shape == den.shape

@@ -24,6 +24,7 @@ import torch
 from ._validate import check_decode_inputs, check_inputs, interpreting
 
 __all__ = [
+    "lt_multiply",
     "available",
     "unsupported_reason",
     "decode_unsupported_reason",
@@ -105,12 +106,29 @@ def triton_lt_multiply_with_sums(
     )  # fmt: skip
 
 
-def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
-    """One decoding step: N' = N + Φ(k)⊗v, Z' = Z + Φ(k), num = Φ(q)·N', den = Φ(q)·Z'.
+def lt_multiply(
+    a, b, c, *, square: bool, chunk_size: int, initial=None, return_state: bool = False,
+    group_bytes=None,
+):  # fmt: skip
+    """The backend contract (``polysketch.ops.dispatch``): (num, den, None).
 
-    Φ(x) = x, or x⊗x with ``square`` (never formed). Shapes: phi_q, phi_k (..., 1, F),
-    v (..., 1, E); numerator N (..., F, E) or (..., F, F, E), denominator Z (..., F) or
-    (..., F, F), fp32 (``LinearAttentionState`` layout) -> num (..., 1, E), den (..., 1),
+    The fused kernels neither take nor return a state (the backend table declares it, so the
+    dispatcher never passes one): ``initial`` must be ``None`` and ``return_state`` False.
+    ``group_bytes`` is unused. See ``triton_lt_multiply_with_sums``.
+    """
+    if initial is not None or return_state:
+        raise ValueError("the Triton kernels take no initial state and return none")
+    num, den = triton_lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size)
+    return num, den, None
+
+
+def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """One decoding step: N' = N + Ψ(k)⊗v, Z' = Z + Ψ(k), num = Ψq(q)·N', den = Ψq(q)·Z'.
+
+    Ψ = Ψq = identity, or with ``square`` the pair features ψ and ω ⊙ ψ (``ops.pairs``, never
+    formed in memory). Shapes: phi_q, phi_k (..., 1, F), v (..., 1, E); numerator N (..., F', E),
+    denominator Z (..., F') fp32 with F' = F, or F(⌊F/2⌋+1) with ``square`` (the
+    ``LinearAttentionState`` layout) -> num (..., 1, E), den (..., 1),
     N', Z' (new fp32 tensors; the inputs are not modified). The new token sees itself, as in
     ``linear_attention_step(..., normalize=False)``. No autograd: inputs that require grad
     are refused (ValueError).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pairs import state_dim
 from ._backward import backward
 from ._config import block_e, block_t, slice_groups
 from ._decode import decode
@@ -80,15 +81,15 @@ def decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
     """See ``polysketch.ops.triton.triton_decode_step``."""
     _raise(check_decode_inputs(phi_q, phi_k, v, numerator, denominator, square=square))
     lead, f, e = phi_q.shape[:-2], phi_q.shape[-1], v.shape[-1]
-    fs = (f, f) if square else (f,)
+    fs = state_dim(f, square)
     q, k = (x.reshape(-1, f).contiguous() for x in (phi_q, phi_k))
     vv = v.reshape(-1, e).contiguous()
-    n = numerator.reshape(-1, *fs, e).contiguous()
-    z = denominator.reshape(-1, *fs).contiguous()
+    n = numerator.reshape(-1, fs, e).contiguous()
+    z = denominator.reshape(-1, fs).contiguous()
     num, den, n2, z2 = decode(q, k, vv, n, z, square=square)
     return (
         num.reshape(*lead, 1, e),
         den.reshape(*lead, 1),
-        n2.reshape(*lead, *fs, e),
-        z2.reshape(*lead, *fs),
+        n2.reshape(*lead, fs, e),
+        z2.reshape(*lead, fs),
     )
