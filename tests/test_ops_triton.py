@@ -329,18 +329,27 @@ def test_split_layout_causal_outputs_before_t_are_bit_identical(square):
 
 
 def test_layout_choice_and_segment_length():
-    from polysketch.ops.triton._config import SEGMENT_BYTES, segment_length
+    from polysketch.ops.triton._config import SEGMENT_BYTES, segment_length, slice_groups
     from polysketch.ops.triton._layout import choose_segment
 
-    cpu = torch.device("cpu")
-    kw = dict(bh=2, t=5000, f=16, e=32, bt=64, grid=2, square=True, device=cpu)
-    assert choose_segment("auto", **kw) is None  # never split on CPU unless forced
+    kw = dict(bh=2, t=5000, f=16, e=32, bt=64, grid=2, square=True, sms=None)
+    assert choose_segment("auto", **kw) is None  # never split without a GPU unless forced
     assert choose_segment("sequential", **kw) is None
     assert choose_segment("split", **kw) == 1024
     assert choose_segment("split", **kw, requested=100) == 128  # a multiple of BT
     assert choose_segment("split", **{**kw, "t": 1024}) is None  # one segment
     with pytest.raises(ValueError, match="layout must be one of"):
         choose_segment("chunked", **kw)
+    # with a GPU's multiprocessor count (the dispatcher's): split when the grid leaves SMs idle
+    assert choose_segment("auto", **{**kw, "sms": 132}) == 1024
+    assert choose_segment("auto", **{**kw, "sms": 132, "grid": 132}) is None
+    assert choose_segment("auto", **{**kw, "sms": 132, "t": 2047}) is None  # T < 2L
+    # slice groups of the square state grow until B·H·NS covers the SMs (at most 8)
+    sg = dict(square=True, element_size=2)
+    assert slice_groups(12, 1024, 32, 64, 132, **sg) == 8
+    assert slice_groups(12, 1024, 32, 64, 48, **sg) == 4
+    assert slice_groups(12, 1024, 32, 64, None, **sg) == 1  # no GPU: one group
+    assert slice_groups(12, 1024, 32, 64, 132, square=False, element_size=2) == 1
     # F = E = 64 square, 12 heads, T = 32k: 12.8 MB per segment -> L = 2048 (16 segments)
     seg = segment_length(12, 32768, 64, 64, 64, square=True)
     assert seg == 2048 and -(-32768 // seg) * 12 * 64 * 64 * 65 * 4 <= SEGMENT_BYTES

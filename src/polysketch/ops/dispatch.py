@@ -66,6 +66,7 @@ __all__ = [
     "group_bytes",
     "group_bytes_for",
     "layout_for",
+    "multiprocessor_count",
     "operand_dtype",
     "plan",
     "resolve_algorithm",
@@ -157,8 +158,16 @@ def triton_enabled() -> bool:
     return _TRITON_SWITCH[0]
 
 
+def multiprocessor_count(device: torch.device | str) -> int | None:
+    """The streaming multiprocessors of a CUDA ``device`` (Triton's launch grids), else None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _triton_lt_multiply(a, b, c, **kwargs):
-    return triton_backend().lt_multiply(a, b, c, **kwargs)
+    return triton_backend().lt_multiply(a, b, c, sms=multiprocessor_count(a.device), **kwargs)
 
 
 def _triton_refusal(a, b, c, square) -> str | None:

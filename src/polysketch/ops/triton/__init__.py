@@ -71,7 +71,7 @@ def decode_unsupported_reason(phi_q, phi_k, v, numerator, denominator, *, square
 
 def triton_lt_multiply_with_sums(
     a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
-    segment_length: int | None = None,
+    segment_length: int | None = None, sms: int | None = None,
 ):  # fmt: skip
     """num = lt((A Bᵀ)^{∘q}) C and row_sums = lt((A Bᵀ)^{∘q}) 1, q = 2 if ``square`` else 1.
 
@@ -85,8 +85,11 @@ def triton_lt_multiply_with_sums(
     state carried on chip (see ``_forward``, ``_backward``); with ``layout="split"`` T is cut
     into segments of ``segment_length`` tokens L whose states are computed in parallel, summed
     over the earlier segments (a prefix sum), and each segment then runs that pass from its
-    prefix (``_layout``). ``"auto"`` (default) splits on CUDA only, when the sequential grid
-    BH·(E/BE)·NS is below the SM count and T >= 2·L; ``"sequential"`` never. L defaults to
+    prefix (``_layout``). ``"auto"`` (default) splits only given the GPU's multiprocessor
+    count ``sms`` (``polysketch.ops.dispatch.multiprocessor_count``, which the dispatcher
+    passes), when the sequential grid BH·(E/BE)·NS is below it and T >= 2·L; ``"sequential"``
+    never. ``sms`` also sizes NS (``_config.slice_groups``); None (the default, and under the
+    interpreter): NS = 1 and no automatic split. L defaults to
     the smallest 1024·2^k whose fp32 segment states stay within 256 MiB; a given
     ``segment_length`` is rounded up to a multiple of BT; T <= L runs the sequential pass.
     Neither layout has been timed on a GPU (``benchmarks/triton_layouts.py`` times both).
@@ -102,23 +105,24 @@ def triton_lt_multiply_with_sums(
 
     return lt_multiply_with_sums(
         a, b, c, square=square, chunk_size=chunk_size, layout=layout,
-        segment_length=segment_length,
+        segment_length=segment_length, sms=sms,
     )  # fmt: skip
 
 
 def lt_multiply(
     a, b, c, *, square: bool, chunk_size: int, initial=None, return_state: bool = False,
-    group_bytes=None,
+    group_bytes=None, sms: int | None = None,
 ):  # fmt: skip
     """The backend contract (``polysketch.ops.dispatch``): (num, den, None).
 
     The fused kernels neither take nor return a state (the backend table declares it, so the
     dispatcher never passes one): ``initial`` must be ``None`` and ``return_state`` False.
-    ``group_bytes`` is unused. See ``triton_lt_multiply_with_sums``.
+    ``group_bytes`` is unused; ``sms`` the GPU's multiprocessor count (the dispatcher's). See
+    ``triton_lt_multiply_with_sums``.
     """
     if initial is not None or return_state:
         raise ValueError("the Triton kernels take no initial state and return none")
-    num, den = triton_lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size)
+    num, den = triton_lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size, sms=sms)
     return num, den, None
 
 

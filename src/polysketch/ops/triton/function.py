@@ -45,10 +45,11 @@ def _raise(problem) -> None:
 
 def lt_multiply_with_sums(
     a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
-    segment_length: int | None = None, groups: int | None = None,
+    segment_length: int | None = None, groups: int | None = None, sms: int | None = None,
 ):  # fmt: skip
     """See ``polysketch.ops.triton.triton_lt_multiply_with_sums``; ``groups`` overrides the
-    number of slice groups NS of the square state (``_config.slice_groups``; tests)."""
+    number of slice groups NS of the square state (``_config.slice_groups``; tests); ``sms``
+    the GPU's multiprocessor count (None: no GPU, as under the interpreter)."""
     _raise(check_inputs(a, b, c, square=square))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -56,7 +57,7 @@ def lt_multiply_with_sums(
     flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
     bh = flat[0].shape[0]
     if groups is None:
-        groups = slice_groups(bh, t, f, e, a.device, square=square, element_size=a.element_size())
+        groups = slice_groups(bh, t, f, e, sms, square=square, element_size=a.element_size())
     elif not (square and isinstance(groups, int) and groups >= 1 and f % groups == 0):
         raise ValueError(f"groups must divide F={f} (square only), got {groups!r}")
     if layout not in LAYOUTS:
@@ -71,7 +72,7 @@ def lt_multiply_with_sums(
     be = block_e(f, e, square=square, element_size=a.element_size())
     segment = choose_segment(
         layout, bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * -(-e // be) * groups, square=square,
-        device=a.device, requested=segment_length,
+        sms=sms, requested=segment_length,
     )  # fmt: skip
     num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups, segment)
     return num.reshape(*lead, t, e), rs.reshape(*lead, t)
