@@ -13,15 +13,20 @@ b; zero keys add nothing, padded query rows are sliced off):
 
 The normalizer comes as row sums of the masked block scores plus the read of the running key
 sums, beside the product, so every GEMM keeps the width E of C (an E+1 = 65 wide operand runs
-~15% slower than 64 in CPU BLAS). The blocks are scanned in groups of G consecutive blocks,
-carrying the running state (the sum over all EARLIER groups only): inside a group, the local
-products, the block states and the reads are batched matmuls over the G blocks, and the
-exclusive prefix is P + cumsum(S_g0..S_{g0+G-2}) shifted by one block (never a cumsum minus S,
-so a row never sees a later token, even through rounding). G is the largest count whose
-temporaries fit ``group_bytes`` (the dispatcher's budget, ``polysketch.ops.dispatch``; at least
-1 block), so memory stays bounded and warm in cache whatever T is; a Python loop of ⌈N/G⌉
-steps (autograd and ``torch.compile`` trace through it). The carried state after a group is
-one fused GEMM P + Ψ(B_last)ᵀ C_last. O(T·b·F + T·F'·E) time.
+~15% slower than 64 in CPU BLAS). Inside the scan the squared key sums are kept dense,
+Z = Σ BᵀB (F, F), and read as the quadratic form rows A Z Aᵀ (a GEMM with inner dimension F,
+not an elementwise pass over the T×F' features); they enter and leave in the pair layout
+(``pairs.expand`` / ``compress``, exact for the symmetric Z).
+
+The blocks are scanned in groups of G consecutive blocks, carrying the running state (the sum
+over all EARLIER groups only): inside a group, the local products, the block states and the
+reads are batched matmuls over the G blocks, and the exclusive prefix is P +
+cumsum(S_g0..S_{g0+G-2}) shifted by one block (never a cumsum minus S, so a row never sees a
+later token, even through rounding). G is the largest count whose temporaries fit
+``group_bytes`` (the dispatcher's budget, ``polysketch.ops.dispatch``; at least 1 block), so
+memory stays bounded and warm in cache whatever T is; a Python loop of ⌈N/G⌉ steps (autograd and
+``torch.compile`` trace through it). The carried state after a group is one fused GEMM P +
+Ψ(B_last)ᵀ C_last. O(T·b·F + T·F'·E) time.
 
 The scan has no backward of its own (autograd through it stores every group's temporaries):
 the dispatcher sends calls that need gradients to the recomputing ``ops.blocks`` function over
@@ -113,10 +118,17 @@ def scan(a, b, c, *, chunk_size, square, initial, initial_sums, final_state, gro
 
     zero_state = initial is None and initial_sums is None
     state = a.new_zeros(*lead, fs, e) if initial is None else initial
-    z = a.new_zeros(*lead, fs) if initial_sums is None else initial_sums
+    zshape = (f, f) if square else (f,)  # running key sums Σ BᵀB (dense) or Σ B
+    zblocks = -1 - len(zshape)  # the block dim of per-block key sums (..., G, F[, F])
+    if initial_sums is None:
+        z = a.new_zeros(*lead, *zshape)
+    elif square:  # pair layout -> the symmetric dense Σ BᵀB
+        z = pairs.expand(initial_sums.unsqueeze(-1)).squeeze(-1).unflatten(-1, zshape)
+    else:
+        z = initial_sums
     if square:  # keys Ψ = ψ; queries read ψ(A) (ω ⊙ P): ω on the smaller operand
         features = pairs.features
-        omega = pairs.omega.to(a.dtype)
+        omega = pairs.omega.to(a.dtype).unsqueeze(-1)
     else:
 
         def features(x: torch.Tensor) -> torch.Tensor:
@@ -143,23 +155,17 @@ def scan(a, b, c, *, chunk_size, square, initial, initial_sums, final_state, gro
         # key sums likewise.
         kf = None  # key features (..., G, blk, F'), built where they are used (cache locality)
         prefix = state.unsqueeze(-3)
-        zprefix = z.unsqueeze(-2)  # (..., 1, F')
+        zprefix = z.unsqueeze(zblocks)  # (..., 1, F[, F])
         if bg.shape[-3] > 1:
             kf = features(bg)
-            earlier = kf[..., :-1, :, :]
-            states = earlier.transpose(-1, -2) @ cg[..., :-1, :, :]
+            states = kf[..., :-1, :, :].transpose(-1, -2) @ cg[..., :-1, :, :]
             prefix = torch.cat([prefix, prefix + states.cumsum(-3)], dim=-3)
-            zprefix = torch.cat([zprefix, zprefix + earlier.sum(-2).cumsum(-2)], dim=-2)
+            zs = _key_sums(bg[..., :-1, :, :], square)  # (..., G-1, F[, F])
+            zprefix = torch.cat([zprefix, zprefix + zs.cumsum(zblocks)], dim=zblocks)
         if not (zero_state and bg.shape[-3] == 1):  # the first block reads all-zero states
             qf = features(ag)  # (..., G, blk, F')
-            if square:
-                out = out + qf @ (prefix * omega.unsqueeze(-1))
-                zprefix_read = zprefix * omega
-            else:
-                out = out + qf @ prefix
-                zprefix_read = zprefix
-            # elementwise products and sums: a matrix-vector bmm is several times slower on CPU
-            rs = rs + (qf * zprefix_read.unsqueeze(-2)).sum(-1)
+            out = out + qf @ (prefix if omega is None else prefix * omega)
+            rs = rs + _read_sums(ag, zprefix, square)
         outs.append(out)
         row_sums.append(rs)
         zero_state = False
@@ -168,8 +174,25 @@ def scan(a, b, c, *, chunk_size, square, initial, initial_sums, final_state, gro
             break
         k_last = kf[..., -1, :, :] if kf is not None else features(bg[..., -1, :, :])
         state = _add_states(prefix[..., -1, :, :], k_last.transpose(-1, -2), cg[..., -1, :, :])
-        z = zprefix[..., -1, :] + k_last.sum(-2)
+        z = zprefix.select(zblocks, -1) + _key_sums(bg[..., -1, :, :], square)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
     out = out.flatten(-3, -2)[..., :t, :]
     rs = row_sums[0] if len(row_sums) == 1 else torch.cat(row_sums, dim=-2)
+    if square and z is not None:  # dense Σ BᵀB -> the pair layout
+        z = pairs.compress(z.flatten(-2).unsqueeze(-1)).squeeze(-1)
     return out, rs.flatten(-2)[..., :t], state, z
+
+
+def _key_sums(b: torch.Tensor, square: bool) -> torch.Tensor:
+    """Σ_t B_t (..., F), or Σ_t B_tᵀB_t (..., F, F) when ``square``; B (..., blk, F)."""
+    return b.transpose(-1, -2) @ b if square else b.sum(-2)
+
+
+def _read_sums(a: torch.Tensor, z: torch.Tensor, square: bool) -> torch.Tensor:
+    """A_i·z (plain, z (..., F)) or A_i Z A_iᵀ (square, Z (..., F, F)) for A (..., blk, F).
+
+    Elementwise products and sums, not a matrix-vector ``bmm`` (several times slower on CPU).
+    """
+    if square:
+        return ((a @ z) * a).sum(-1)
+    return (a * z.unsqueeze(-2)).sum(-1)

@@ -79,11 +79,18 @@ def linear_attention_step(
     return out.to(phi_q.dtype), LinearAttentionState(n1, z1, length)
 
 
+_PAIRS: dict = {}  # (F, dtype, device) -> PairFeatures: decoding builds ω once, not per token
+
+
 def _step(q, k, v, n, z, *, square, keep):
     """num (..., 1, E), den (..., 1), N', Z' of the module docstring for one token."""
     if square:
-        pairs = PairFeatures(q.shape[-1], q)
-        qf, kf = pairs.queries(q), pairs.features(k)  # (..., 1, F')
+        key = (q.shape[-1], q.dtype, q.device)
+        pairs = _PAIRS.get(key)
+        if pairs is None:
+            pairs = _PAIRS.setdefault(key, PairFeatures(q.shape[-1], q))
+        qf, kf = pairs.features(torch.cat([q, k], dim=-2)).unbind(-2)  # ψ(q), ψ(k): (..., F')
+        qf, kf = (qf * pairs.omega).unsqueeze(-2), kf.unsqueeze(-2)  # (..., 1, F')
     else:
         qf, kf = q, k
     if keep is not None:  # a padded key adds nothing (and its possibly non-finite v neither)
