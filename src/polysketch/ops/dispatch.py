@@ -38,8 +38,10 @@ Switch them on with ``enable_triton()`` or ``POLYSKETCH_TRITON=1`` in the enviro
 at the first decision); ``algorithm="triton"`` always asks for them explicitly.
 
 Nothing outside this module branches on the device in the attention path (``ops``,
-``nn.attention``, ``nn.cache``): memory budgets, operand dtype, the layout and the fused
-decode step are decided here.
+``nn.attention``, ``nn.cache``): memory budgets, operand dtype, the layout, the fused decode
+step and the GPU facts the Triton launch grids need (``multiprocessor_count``) are decided
+here. (The Triton package still validates that its inputs sit where its kernels can run, and
+``nn.attention`` sets up autocast for the input's device type: checks and set-up, not choices.)
 """
 
 from __future__ import annotations
