@@ -250,9 +250,14 @@ def test_padding_left_padded_sequence_matches_unpadded():
 def test_non_causal_masks_are_refused():
     model = tiny("mistral")
     model.config.sliding_window = 8
-    convert(model, "psf_random")
+    with pytest.raises(ValueError, match='sliding_window="full"'):  # convert says it first now
+        convert(model, "psf_random")
+    convert(model, "psf_random", sliding_window="full")
+    t = 20  # a mask that is not "causal AND key kept" (here a window of 8, given as 4D)
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    band = ((j <= i) & (j > i - 8)).expand(2, 1, t, t)
     with pytest.raises(ValueError, match="causal mask with key padding"):
-        logits(model, ids(t=20), attention_mask=torch.ones(2, 20, dtype=torch.long))
+        logits(model, ids(t=t), attention_mask=band)
 
 
 # ----- scale ---------------------------------------------------------------------------------

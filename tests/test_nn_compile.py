@@ -41,7 +41,8 @@ def test_compiled_model_still_refuses_bad_ids():
 def test_attention_core_keeps_half_on_accelerators(attention, monkeypatch):
     """With the accelerator policy (operand dtype = input dtype) bf16 q/k/v reach the core as
     bf16 (so SDPA can pick FlashAttention); with the CPU policy they are computed in fp32."""
-    import polysketch.nn.attention as attention_module
+    import polysketch.nn.core as attention_module  # the one attention core (nn.core)
+    from polysketch.ops import dispatch
 
     seen = []
     real_sdpa, real_linear = F.scaled_dot_product_attention, attention_module.linear_attention
@@ -60,7 +61,7 @@ def test_attention_core_keeps_half_on_accelerators(attention, monkeypatch):
     x = torch.randn(1, 20, 32, dtype=torch.bfloat16)
     assert layer(x).dtype == torch.bfloat16
     assert seen[-1] == torch.float32  # CPU policy: fp32 compute
-    monkeypatch.setattr(attention_module, "operand_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(dispatch, "operand_dtype", lambda dtype, device: dtype)
     assert layer(x).dtype == torch.bfloat16
     assert seen[-1] == torch.bfloat16  # accelerator policy: half operands into the core
 

@@ -15,7 +15,9 @@ KEY_WORDS = {
     "psf_mixed": ["exact local polynomial degree 4", "psf_random", "r = 32", "1 + Σ"],
     "polynomial": ["degree 4", "LayerNorm", "1 + Σ", "quadratic"],
     "softmax": ["softmax", "1/sqrt(D)", "no q/k norm"],
+    "sliding_window": ["last w keys", "window=w", "softmax", "1/sqrt(D)", "O(T·w)", "polynomial"],
 }
+NEEDS = {"sliding_window": {"window": 3}}  # presets with a required option
 
 
 def test_preset_names():
@@ -30,7 +32,7 @@ def test_each_preset_builds_and_describes_itself(name):
     for word in KEY_WORDS[name]:
         assert word in desc, (name, word)
     settings = PRESETS[name]["settings"]
-    layer = KernelAttention(16, 2, attention=name, chunk_size=4)
+    layer = KernelAttention(16, 2, attention=name, chunk_size=4, **NEEDS.get(name, {}))
     assert layer.algorithm == settings["algorithm"]
     assert (layer.q_norm is not None) == settings["qk_norm"]
     assert layer.denominator_offset == settings["denominator_offset"]

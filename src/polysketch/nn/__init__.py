@@ -1,20 +1,25 @@
 """Attention layer and language model.
 
+- ``AttentionCore``: the one attention core ((B, H, T, D) q, k, v + key mask + cache), shared
+  by ``KernelAttention`` and the transformers adapter: presets, precision policy, caches.
 - ``KernelAttention``: batch-first multi-head self-attention with any polysketch kernel
-  (feature maps, exact softmax / polynomial, PolySketchFormer presets).
+  (feature maps, exact softmax / polynomial, PolySketchFormer presets, sliding window).
 - ``TransformerConfig`` / ``TransformerLM``: a small decoder-only LM with decoding caches.
 - ``PRESETS``: the PolySketchFormer presets (name -> description and settings).
 - ``MultiHeadFeatureMap``: independent per-head feature maps applied with ``torch.vmap``.
 """
 
+from .ablate import ablate_global
 from .attention import KernelAttention
-from .cache import KVCache, MixedCache, RecurrentCache
+from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
+from .core import AttentionCore
 from .heads import MultiHeadFeatureMap, head_seed
 from .presets import PRESETS, valid_attentions
 from .rope import RotaryEmbedding
 from .transformer import TransformerConfig, TransformerLM
 
 __all__ = [
+    "AttentionCore",
     "KernelAttention",
     "TransformerConfig",
     "TransformerLM",
@@ -24,6 +29,8 @@ __all__ = [
     "KVCache",
     "MixedCache",
     "RecurrentCache",
+    "WindowCache",
+    "ablate_global",
     "head_seed",
     "valid_attentions",
 ]

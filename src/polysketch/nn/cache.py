@@ -1,21 +1,27 @@
-"""Decode caches of ``KernelAttention``: what a layer keeps per sequence between steps.
+"""Decode caches of the attention core: what a layer keeps per sequence between steps.
 
 * ``RecurrentCache`` (feature-map attention): the constant-size state of causal linear
   attention, N = Σ_j Ψ(φk_j) ⊗ v_j and Z = Σ_j Ψ(φk_j) (the pair features of ``ops.pairs``
   with ``square``), a ``polysketch.ops.LinearAttentionState`` (PolySketchFormer §3: linear
   attention is an RNN). H·F'·(E + 1) floats per sequence, F' = F or F(⌊F/2⌋+1), whatever
-  the length.
+  the length. One token is one fused update and read (``ops.linear_attention_step``).
 * ``KVCache`` (``softmax`` and exact ``polynomial``): every key and value so far, 2·H·D·t
   floats at position t — the quadratic-attention baseline.
-* ``MixedCache`` (``psf_mixed``): the state of the completed blocks plus the keys, key
-  features and values of the current, incomplete block (< b tokens): bounded by
-  H·(F'(E + 1) + b(D + F + E)) floats.
+* ``MixedCache`` (mixed attention): the state of the completed blocks plus the keys, key
+  features and values of the current, incomplete block (< b tokens)
+  (``ops.mixed_attention_step``): bounded by H·(F'(E + 1) + b(D + F + E)) floats. Rows whose
+  block grids differ (padded batches: each row's grid starts at its first real token,
+  ``nn.padding``) keep one state each.
+* ``WindowCache`` (``sliding_window``): the keys and values of the last w real tokens of
+  each row, H·(D + E)·min(t, w) floats.
 
-Every cache counts ``length``, the tokens consumed, which is also the RoPE position of the
-next token, and holds ``conv_tail``: the last K - 1 projections of a layer with a short
-convolution (``KernelAttention(short_conv=K)``, ``polysketch.nn.short_conv``), else None.
-A cache is filled by ``KernelAttention.forward(x, cache=cache)`` (in place) and made by
-``KernelAttention.new_cache()``; ``TransformerLM.generate`` keeps one per layer.
+Every cache counts ``length``, the time steps consumed (padded ones included), holds
+``conv_tail``, the last K - 1 projections of a layer with a short convolution
+(``KernelAttention(short_conv=K)``), else None, and ``positions``: per row, the RoPE position
+of the next token (the real tokens consumed, ``nn.padding``), or None while every row has
+consumed ``length`` real tokens. ``select_rows(index)`` keeps / reorders / repeats rows
+(beam search). A cache is made by ``AttentionCore.new_cache()`` and filled in place by the
+layer's forward with ``cache=``; ``TransformerLM.generate`` keeps one per layer.
 """
 
 from __future__ import annotations
@@ -25,16 +31,41 @@ import torch
 from ..ops import LinearAttentionState
 from ..ops.mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
 
-__all__ = ["RecurrentCache", "KVCache", "MixedCache", "LayerCache"]
+__all__ = ["RecurrentCache", "KVCache", "MixedCache", "WindowCache", "LayerCache"]
 
 
-class RecurrentCache:
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
+
+
+def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(0, index.to(t.device))
+
+
+class _Cache:
+    """What every cache holds besides its state (module docstring)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
+        self.positions: torch.Tensor | None = None  # (B,) RoPE position of the next token
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (B',) int64 of the batch, in that order (repeats allowed)."""
+        self.conv_tail = _rows(self.conv_tail, index)
+        self.positions = _rows(self.positions, index)
+        self._select_state(index)
+
+    def _select_state(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class RecurrentCache(_Cache):
     """Linear-attention decode state: ``state`` (a ``LinearAttentionState`` or None), ``length``."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.state: LinearAttentionState | None = None
-        self.length = 0
-        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
     def num_floats(self) -> int:
         """Floats held per batch (all sequences of the batch together)."""
@@ -43,28 +74,29 @@ class RecurrentCache:
             return tail
         return self.state.numerator.numel() + self.state.denominator.numel() + tail
 
+    def _select_state(self, index):
+        if self.state is not None:
+            st = self.state
+            self.state = LinearAttentionState(
+                _rows(st.numerator, index), _rows(st.denominator, index), st.length
+            )
 
-class KVCache:
+
+class KVCache(_Cache):
     """Keys (B, H, t, D) and values (B, H, t, E) of every token so far, with ``keep`` (B, t)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
-        self.length = 0
-        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
     def append(
         self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append n tokens (k (B, H, n, D), v (B, H, n, E), keep (B, n) or None); return all."""
         n = k.shape[-2]
-        if keep is not None or self.keep is not None:
-            old = self.keep
-            if old is None and self.length:
-                old = torch.ones(k.shape[0], self.length, dtype=torch.bool, device=k.device)
-            new = keep if keep is not None else torch.ones_like(k[:, 0, :, 0], dtype=torch.bool)
-            self.keep = new if old is None else torch.cat([old, new], dim=-1)
+        self.keep = _append_keep(self.keep, keep, self.length, k)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
         self.length += n
@@ -74,55 +106,157 @@ class KVCache:
         kv = 0 if self.k is None else self.k.numel() + self.v.numel()
         return kv + _numel(self.conv_tail)
 
+    def _select_state(self, index):
+        self.k, self.v, self.keep = (_rows(t, index) for t in (self.k, self.v, self.keep))
 
-class MixedCache:
-    """Mixed local/global decode state: the ``polysketch.ops.MixedAttentionState`` of
-    ``ops.mixed_step`` kept as plain attributes (``state`` = its ``summary`` [N Z] of the
-    completed blocks (B, H, F', E+1), ``k`` (B, H, n, D), ``phi_k`` (B, H, n, F), ``v``
-    (B, H, n, E) of the current block, ``length``), so batch maps reach every tensor."""
+
+def _append_keep(old, keep, length, k):
+    """The key mask after appending n tokens with mask ``keep`` (B, n) or None (all kept)."""
+    if keep is None and old is None:
+        return None
+    if old is None and length:
+        old = torch.ones(k.shape[0], length, dtype=torch.bool, device=k.device)
+    new = keep if keep is not None else torch.ones_like(k[:, 0, :, 0], dtype=torch.bool)
+    return new if old is None else torch.cat([old, new], dim=-1)
+
+
+class MixedCache(_Cache):
+    """Mixed local/global decode state: one ``polysketch.ops.MixedAttentionState`` for the
+    batch (``batch``: ``summary`` [N Z] of the completed blocks (B, H, F', E+1), the current
+    block's ``k``, ``phi_k``, ``v``) while every row shares one block grid, else one per row
+    (``rows``, leading dims (1, H)), each stepped by ``ops.mixed_attention_step``."""
 
     def __init__(self, chunk_size: int, square: bool) -> None:
+        super().__init__()
         self.chunk_size = chunk_size
         self.square = square
-        self.state: torch.Tensor | None = None
-        self.k: torch.Tensor | None = None
-        self.phi_k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.length = 0
-        self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
+        self.batch: MixedAttentionState | None = None
+        self.rows: list[MixedAttentionState] | None = None
+
+    def _states(self) -> list[MixedAttentionState]:
+        return [self.batch] if self.rows is None else self.rows
 
     def num_floats(self) -> int:
-        tensors = (self.state, self.k, self.phi_k, self.v, self.conv_tail)
-        return sum(_numel(t) for t in tensors)
+        tensors = [_numel(self.conv_tail)]
+        for st in self._states():
+            if st is not None:
+                tensors += [_numel(t) for t in (st.summary, st.k, st.phi_k, st.v)]
+        return sum(tensors)
 
-    def _load(self, st: MixedAttentionState) -> None:
-        self.state, self.k, self.phi_k, self.v, self.length = (
-            st.summary,
-            st.k,
-            st.phi_k,
-            st.v,
-            st.length,
-        )
+    def prefill(self, k, phi_k, v, lengths: list[int] | None = None) -> None:
+        """Store the first T time steps (empty cache). k, φk (B, H, T, ·), v (B, H, T, E)
+        hold each row's real tokens first (compacted, ``nn.padding``); ``lengths``: the real
+        tokens of each row (None: all T)."""
+        kw = {"chunk_size": self.chunk_size, "square": self.square}
+        t = k.shape[-2]
+        if lengths is None or len(set(lengths)) == 1:
+            n = t if lengths is None else lengths[0]
+            self.batch = mixed_attention_state(k[..., :n, :], phi_k[..., :n, :], v[..., :n, :], **kw)
+        else:
+            self.rows = [
+                mixed_attention_state(k[b : b + 1, ..., :n, :], phi_k[b : b + 1, ..., :n, :],
+                                      v[b : b + 1, ..., :n, :], **kw)  # fmt: skip
+                for b, n in enumerate(lengths)
+            ]
+        self.length = t
 
-    def prefill(self, k: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prefix of T tokens (empty cache): fold the complete blocks, keep the rest."""
-        self._load(mixed_attention_state(k, phi_k, v, chunk_size=self.chunk_size,
-                                         square=self.square))  # fmt: skip
+    def steps(self, q, k, v, phi_q, phi_k, keep, *, degree: int, offset: float, eps: float):
+        """n new time steps after a prefill: (B, H, n, ·) inputs, ``keep`` (B, n) or None ->
+        (B, H, n, E) (zeros at padded steps), by ``ops.mixed_attention_step`` (exact local
+        polynomial of ``degree``)."""
+        kw = dict(chunk_size=self.chunk_size, local="polynomial", degree=degree,
+                  square=self.square, denominator_offset=offset, eps=eps)  # fmt: skip
+        self.length += q.shape[-2]
+        if self.rows is None and keep is None:
+            out, self.batch = mixed_attention_step(q, k, v, phi_q, phi_k, self.batch, **kw)
+            return out
+        if self.rows is None:  # some row skips a step: the grids part, one state per row
+            self.rows = [_state_row(self.batch, b) for b in range(q.shape[0])]
+            self.batch = None
+        outs = []
+        for b, st in enumerate(self.rows):
+            row = []
+            for i in range(q.shape[-2]):
+                one = [x[b : b + 1, ..., i : i + 1, :] for x in (q, k, v, phi_q, phi_k)]
+                if keep is not None and not bool(keep[b, i]):
+                    row.append(torch.zeros_like(one[2]))  # a padded step: no output, no update
+                    continue
+                out, st = mixed_attention_step(*one, st, **kw)
+                row.append(out)
+            self.rows[b] = st
+            outs.append(torch.cat(row, dim=-2))
+        return torch.cat(outs, dim=0)
 
-    def steps(self, q, k, v, phi_q, phi_k, *, degree: int, offset: float, eps: float):
-        """n new tokens after a prefill: (B, H, n, ·) inputs -> (B, H, n, E), by
-        ``polysketch.ops.mixed_attention_step`` (exact local polynomial of ``degree``)."""
-        st = MixedAttentionState(self.state, self.k, self.phi_k, self.v, self.length)
-        out, st = mixed_attention_step(
-            q, k, v, phi_q, phi_k, st, chunk_size=self.chunk_size, local="polynomial",
-            degree=degree, square=self.square, denominator_offset=offset, eps=eps,
-        )  # fmt: skip
-        self._load(st)
-        return out
+    def _select_state(self, index):
+        if self.rows is not None:
+            self.rows = [self.rows[int(i)] for i in index.tolist()]
+        elif self.batch is not None:
+            st = self.batch
+            self.batch = MixedAttentionState(
+                *(_rows(t, index) for t in (st.summary, st.k, st.phi_k, st.v)), st.length
+            )
 
 
-def _numel(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel()
+def _state_row(st: MixedAttentionState, b: int) -> MixedAttentionState:
+    def row(t):
+        return None if t is None else t[b : b + 1]
+
+    return MixedAttentionState(row(st.summary), row(st.k), row(st.phi_k), row(st.v), st.length)
 
 
-LayerCache = RecurrentCache | KVCache | MixedCache
+class WindowCache(_Cache):
+    """Sliding-window decode state: the keys ``k`` (B, H, n, D) and values ``v`` (B, H, n, E)
+    of the last ``window`` real tokens of each row, oldest first, with ``keep`` (B, n) (None:
+    all real; a row with fewer real tokens has padded slots in front)."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None
+
+    def num_floats(self) -> int:
+        kv = 0 if self.k is None else self.k.numel() + self.v.numel()
+        return kv + _numel(self.conv_tail)
+
+    def prefill(self, k, v, lengths: torch.Tensor | None) -> None:
+        """Store the first T time steps (empty cache): k (B, H, T, D), v (B, H, T, E) hold each
+        row's real tokens first (compacted); ``lengths`` (B,) their numbers (None: all T)."""
+        t = k.shape[-2]
+        self.length = t
+        if lengths is None:
+            n = min(t, self.window)
+            self.k, self.v = k[..., t - n :, :], v[..., t - n :, :]
+            return
+        n = min(int(lengths.max()), self.window)
+        idx = lengths.to(k.device)[:, None] - n + torch.arange(n, device=k.device)  # (B, n)
+        keep = idx >= 0
+        from .padding import gather_time
+
+        self.k, self.v = (gather_time(x, idx.clamp_min(0), dim=-2) for x in (k, v))
+        self.keep = None if bool(keep.all()) else keep
+
+    def append(self, k, v, keep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add ONE time step (k (B, H, 1, D), v, ``keep`` (B, 1) or None); return the window
+        each row's new query sees: keys, values (B, H, n, ·) and their mask (B, n)."""
+        self.length += 1
+        ks = k if self.k is None else torch.cat([self.k, k], dim=-2)
+        vs = v if self.v is None else torch.cat([self.v, v], dim=-2)
+        mask = _append_keep(self.keep, keep, ks.shape[-2] - 1, ks)
+        if mask is None:
+            mask = torch.ones(ks.shape[0], ks.shape[-2], dtype=torch.bool, device=ks.device)
+        # a key is in row b's window if it is real and among the row's last w real keys
+        newest = mask.flip(-1).to(torch.int64).cumsum(-1).flip(-1)  # real keys from j on
+        window = mask & (newest <= self.window)
+        first = int((window.to(torch.int64).cumsum(-1) == 0).sum(-1).min())  # unused prefix
+        self.k, self.v = ks[..., first:, :], vs[..., first:, :]
+        kept = window[:, first:]
+        self.keep = None if bool(kept.all()) else kept
+        return ks, vs, window
+
+    def _select_state(self, index):
+        self.k, self.v, self.keep = (_rows(t, index) for t in (self.k, self.v, self.keep))
+
+
+LayerCache = RecurrentCache | KVCache | MixedCache | WindowCache

@@ -26,6 +26,19 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
 * ``polynomial`` — exact degree-4 polynomial attention with LayerNorm on q and k and
   normalizer 1 + Σ (Eq. 1; quadratic in T).
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
+* ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
+  control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
+  ``kernel="polynomial"`` (exact (q·k)^degree, LayerNorm on q/k, 1 + Σ); O(T·w) by blocks
+  (``polysketch.ops.window_attention``), decoded from the last w keys.
+
+**Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
+``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
+(q·k)^degree inside blocks of ``chunk_size`` and the feature map for every earlier block, one
+shared normalizer (``polysketch.ops.mixed_attention``); ``psf_mixed`` is its preset with the
+``psf_random`` sketch. The local degree is ``degree=`` when the map does not take ``degree``
+(``hedgehog``), else the map's own ``degree`` (4 by default); ``qk_norm`` and
+``denominator_offset`` default to psf_mixed's (LayerNorm on q/k, 1 + Σ), which the exact
+local polynomial needs.
 
 Defaults for a plain feature-map name (``DEFAULTS``): polynomial-kernel maps (``POLYNOMIAL_MAPS``)
 get LayerNorm on q/k and offset 1.0 (PolySketchFormer's 1 + Σ); ``polysketch`` defaults to
@@ -48,6 +61,7 @@ __all__ = [
     "SOFTMAX_MAPS",
     "SOFTMAX_TARGET_MAPS",
     "AttentionSpec",
+    "WINDOW_KERNELS",
     "resolve_attention",
     "valid_attentions",
 ]
@@ -131,6 +145,15 @@ PRESETS: dict[str, dict] = {
         "description": "exact softmax attention, scale 1/sqrt(D) (SDPA), no q/k norm (quadratic)",
         "settings": {"algorithm": "softmax", "qk_norm": False, "denominator_offset": 0.0},
     },
+    "sliding_window": {
+        "description": (
+            "exact attention over the last w keys (window=w required): softmax with scale "
+            "1/sqrt(D), no q/k norm, O(T·w) by blocks, decoded from a KV window of w keys; "
+            "kernel=polynomial gives exact (q·k)^degree with LayerNorm on q/k and normalizer "
+            "1 + Σ"
+        ),
+        "settings": {"algorithm": "window", "qk_norm": False, "denominator_offset": 0.0},
+    },
 }
 """Preset name -> {"description": human-readable text, "settings": what it sets}."""
 
@@ -146,6 +169,8 @@ class AttentionSpec:
     qk_norm: bool = False
     denominator_offset: float = 0.0
     degree: int = 4
+    window: int | None = None  # "window": the number of keys each query sees
+    window_kernel: str = "softmax"  # "window": "softmax" or "polynomial"
 
 
 def valid_attentions() -> list[str]:
@@ -160,22 +185,51 @@ def resolve_attention(
     *,
     qk_norm: bool | None = None,
     denominator_offset: float | None = None,
+    mixed: bool = False,
+    window: int | None = None,
+    softmax_scale: float | None = None,
 ) -> AttentionSpec:
     """Turn ``attention`` (+ user overrides) into an ``AttentionSpec``.
 
     ``map_kwargs`` override the preset's / defaults' map keywords; for ``"polynomial"`` only
-    ``degree`` is accepted, for ``"softmax"`` nothing; ``psf_mixed`` also takes ``degree``
-    (the local exact degree; 4 by default). ``qk_norm`` / ``denominator_offset`` of ``None``
-    take the default of the preset or map kind.
+    ``degree`` is accepted, for ``"softmax"`` nothing, for ``"sliding_window"`` ``kernel``
+    (``"softmax"`` or ``"polynomial"``) and, with the polynomial kernel, ``degree``;
+    ``psf_mixed`` also takes ``degree`` (the local exact degree; 4 by default). ``qk_norm`` /
+    ``denominator_offset`` of ``None`` take the default of the preset or map kind.
+    ``mixed=True`` turns a feature-map attention into mixed attention (module docstring).
+    ``window``: the window of ``"sliding_window"`` (required there, refused elsewhere).
+    ``softmax_scale``: the ``scale`` given to maps whose target is exp(scale·q·k) unless
+    ``map_kwargs`` set it (default 1/√D; the transformers integration passes the model's own).
     """
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
+    if not isinstance(mixed, bool):
+        raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
     kwargs = dict(map_kwargs)
+    if window is not None and attention != "sliding_window":
+        raise ValueError(f'window= is an option of attention="sliding_window", not {attention!r}')
+    if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)
+        qk_norm = True if qk_norm is None else qk_norm
+        denominator_offset = 1.0 if denominator_offset is None else denominator_offset
+    local_degree = None
+    if (
+        mixed
+        and "degree" in kwargs
+        and attention in available()
+        and not get_class(attention).takes("degree")
+    ):
+        local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
+    extra: dict = {}
     if attention in PRESETS:
         s = PRESETS[attention]["settings"]
         algorithm, fmap = s["algorithm"], s.get("feature_map")
         degree = 4
-        if algorithm in ("polynomial", "mixed"):
+        norm_default, offset_default = s["qk_norm"], s["denominator_offset"]
+        if algorithm == "window":
+            algorithm, extra, norm_default, offset_default, degree = _window_settings(
+                kwargs, window
+            )
+        elif algorithm in ("polynomial", "mixed"):
             degree = kwargs.pop("degree", s["degree"])
         if algorithm in ("polynomial", "softmax") and kwargs:
             raise ValueError(
@@ -183,7 +237,6 @@ def resolve_attention(
                 "(polynomial takes only degree; softmax takes none)"
             )
         merged = {**s.get("map_kwargs", {}), **kwargs} if fmap else {}
-        norm_default, offset_default = s["qk_norm"], s["denominator_offset"]
         if attention == "psf_mixed" and "output_scale" not in kwargs:
             merged["output_scale"] = float(merged["num_features"]) ** -0.5  # public code
     elif attention in available():
@@ -198,6 +251,15 @@ def resolve_attention(
         norm_default, offset_default = polynomial, 1.0 if polynomial else 0.0
     else:
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
+    if fmap in SOFTMAX_TARGET_MAPS and softmax_scale is not None and "scale" not in kwargs:
+        merged["scale"] = float(softmax_scale)
+    if mixed and algorithm != "mixed":
+        if algorithm != "linear":
+            raise ValueError(
+                f"mixed=True needs a feature-map attention, got attention={attention!r}"
+            )
+        algorithm = "mixed"
+        degree = local_degree if local_degree is not None else merged.get("degree", 4)
     return AttentionSpec(
         name=attention,
         algorithm=algorithm,
@@ -206,4 +268,34 @@ def resolve_attention(
         qk_norm=norm_default if qk_norm is None else bool(qk_norm),
         denominator_offset=offset_default if denominator_offset is None else denominator_offset,
         degree=degree,
+        **extra,
     )
+
+
+WINDOW_KERNELS = ("softmax", "polynomial")
+
+
+def _window_settings(kwargs: dict, window) -> tuple:
+    """(algorithm, extra spec fields, qk_norm default, offset default, degree) of
+    ``"sliding_window"``; pops ``kernel`` and ``degree`` from ``kwargs``."""
+    if window is None:
+        raise ValueError(
+            'attention="sliding_window" needs window=w (the number of most recent keys each '
+            "query attends to, itself included)"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    kernel = kwargs.pop("kernel", "softmax")
+    if kernel not in WINDOW_KERNELS:
+        raise ValueError(f"kernel must be one of {WINDOW_KERNELS}, got {kernel!r}")
+    degree = 4
+    if kernel == "polynomial":
+        degree = kwargs.pop("degree", 4)
+    if kwargs:
+        raise ValueError(
+            f'map_kwargs {sorted(kwargs)} are not accepted by attention="sliding_window" '
+            '(it takes kernel="softmax"|"polynomial" and, with the polynomial kernel, degree)'
+        )
+    polynomial = kernel == "polynomial"
+    extra = {"window": window, "window_kernel": kernel}
+    return "window", extra, polynomial, 1.0 if polynomial else 0.0, degree

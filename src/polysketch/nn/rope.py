@@ -7,8 +7,10 @@ D' = 2⌊D/2⌋) are rotated by the angle t·θ_i, θ_i = base^{-2i/D'}:
     RoPE(x, t)_{i+D'/2} = x_{i+D'/2} cos tθ_i + x_i sin tθ_i ,   i < D'/2,
 
 and the last coordinate of an odd D is left unchanged. Then RoPE(q, s)·RoPE(k, t) depends on
-s − t only. Positions are absolute token indices; while decoding, ``offset`` is the number of
-tokens already consumed, so positions continue where the prefix stopped.
+s − t only. Positions are token indices; while decoding, ``offset`` is the number of tokens
+already consumed, so positions continue where the prefix stopped. ``positions=`` gives each
+row its own (B, T) positions instead (padded batches: real tokens counted only, as
+transformers' position ids; ``polysketch.nn.padding``).
 """
 
 from __future__ import annotations
@@ -57,11 +59,39 @@ class RotaryEmbedding(nn.Module):
         ang = (pos[:, None] * inv_freq).to(work)
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def angles_at(self, positions: torch.Tensor, *, dtype: torch.dtype) -> tuple:
+        """cos, sin of t·θ_i for the integer ``positions`` (..., T): two (..., T, D'/2) tensors."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        half, device = self.head_dim // 2, positions.device
+        exact = torch.float32 if device.type == "mps" else torch.float64
+        inv_freq = self.base ** -(
+            torch.arange(half, device=device, dtype=exact) * (2.0 / max(2 * half, 1))
+        )
+        ang = (positions.to(exact).unsqueeze(-1) * inv_freq).to(work)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, *, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (..., T, D) rotated at positions offset..offset+T−1, or at ``positions``: an
+        integer (B, T) tensor for x of shape (B, H, T, D) (one position per row and token)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.head_dim)
         offset = check_int(offset, "offset", minimum=0)
         if self.head_dim < 2:
             return x
+        if positions is not None:
+            if (
+                not isinstance(positions, torch.Tensor)
+                or positions.dtype not in (torch.int64, torch.int32)
+                or x.dim() != 4
+                or tuple(positions.shape) != (x.shape[0], x.shape[-2])
+            ):
+                raise ValueError(
+                    f"positions must be an integer (B, T) = {(x.shape[0], x.shape[-2])} tensor "
+                    f"for x of shape (B, H, T, D), got {getattr(positions, 'shape', positions)}"
+                )
+            cos, sin = self.angles_at(positions, dtype=x.dtype)
+            return apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1))
         cos, sin = self.angles(x.shape[-2], offset, dtype=x.dtype, device=x.device)
         return apply_rotary(x, cos, sin)
 

@@ -8,10 +8,12 @@ the latter: for each channel c of the projections u (B, T, C),
 
     y_t,c = SiLU( Σ_{i=0..K-1} w_c,i · u_{t-K+1+i, c} + b_c ),     u_s = 0 for s < 0,
 
-so position t sees tokens t-K+1 .. t only (causal). Padded tokens (``keep`` False) enter as
-zeros, so they reach no other token through the convolution either. Decoding keeps the last
-K - 1 inputs (``tail``, (B, K-1, C)) between calls: feeding a sequence in pieces gives the
-same outputs as feeding it whole.
+so position t sees tokens t-K+1 .. t only (causal). Padded tokens (``keep`` False) are
+removed (``polysketch.nn.padding``): a real token sees the K - 1 real tokens before it, pads
+reach no token, and a row with pads anywhere computes what it computes without them (left
+padding reads as zeros before the sequence start, as without pads). Decoding keeps the last
+K - 1 real inputs (``tail``, (B, K-1, C)) between calls: feeding a sequence in pieces gives
+the same outputs as feeding it whole.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from einops import rearrange
 from torch import nn
 
 from .._checks import check_int, check_positive_int
+from .padding import compaction, gather_time
 
 __all__ = ["ShortConv"]
 
@@ -50,14 +53,17 @@ class ShortConv(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """u (B, T, C) -> (y (B, T, C), new tail (B, K-1, C)).
 
-        ``keep``: bool (B, T), False rows enter as zeros. ``tail``: the inputs of the K - 1
-        tokens before u (from the previous call), None = the sequence starts here.
+        ``keep``: bool (B, T), False rows are removed (their outputs are meaningless).
+        ``tail``: the inputs of the K - 1 real tokens before u (from the previous call), None =
+        the sequence starts here.
         """
         b, t, c = u.shape
         if c != self.channels:
             raise ValueError(f"u must have {self.channels} channels (last dim), got {c}")
-        if keep is not None:
-            u = u * keep[..., None].to(u.dtype)
+        inverse = None
+        if keep is not None:  # real tokens first, in order: the convolution skips the pads
+            perm, inverse = compaction(keep)
+            u = gather_time(u * keep[..., None].to(u.dtype), perm, dim=1)
         if tail is None:
             tail = u.new_zeros(b, self.kernel_size - 1, c)
         elif tuple(tail.shape) != (b, self.kernel_size - 1, c):
@@ -71,8 +77,12 @@ class ShortConv(nn.Module):
             self.bias.to(u.dtype),
             groups=c,
         )
-        new_tail = full[:, full.shape[1] - (self.kernel_size - 1) :]
-        return F.silu(rearrange(y, "b c t -> b t c")), new_tail
+        y = F.silu(rearrange(y, "b c t -> b t c"))
+        if inverse is None:
+            return y, full[:, full.shape[1] - (self.kernel_size - 1) :]
+        real = keep.sum(-1, keepdim=True)  # the tail: the K - 1 inputs before row b's end
+        last = real + torch.arange(self.kernel_size - 1, device=u.device)  # in `full`
+        return gather_time(y, inverse, dim=1), gather_time(full, last, dim=1)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}"

@@ -12,6 +12,8 @@ Public entry points:
   (``dense_to_pair_state`` converts states of earlier releases).
 - ``mixed_attention`` and ``mixed_attention_step`` / ``MixedAttentionState``: exact local
   blocks + features before them, and its decoding.
+- ``window_attention`` / ``naive_window_attention``: exact attention over the last w keys in
+  O(T·w) (``ops.window``), the local-only control of mixed attention.
 - ``softmax_attention``, ``polynomial_attention``, ``naive_linear_attention``,
   ``naive_mixed_attention``: exact quadratic references (PolySketchFormer Eq. (1)).
 
@@ -44,6 +46,7 @@ from .naive import (
 from .pairs import PairFeatures, pair_dim, state_dim
 from .recurrent import linear_attention_step
 from .state import LinearAttentionState, dense_to_pair_state, pair_to_dense_state
+from .window import naive_window_attention, window_attention
 
 __all__ = [
     "ALGORITHMS",
@@ -67,6 +70,7 @@ __all__ = [
     "mixed_attention_state",
     "mixed_attention_step",
     "naive_mixed_attention",
+    "naive_window_attention",
     "naive_linear_attention",
     "noncausal_multiply",
     "pair_dim",
@@ -77,4 +81,5 @@ __all__ = [
     "square_state",
     "stabilize_denominator",
     "state_dim",
+    "window_attention",
 ]

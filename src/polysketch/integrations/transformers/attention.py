@@ -9,18 +9,24 @@ rotate q, k, v themselves, update their cache, then call
 
 ``polysketch_attention_forward`` is registered there under ``ATTENTION_NAME`` (and the
 ``sdpa`` mask builder under the same name, so padding reaches it). It reads the layer's
-``PolysketchAttention`` (``module.polysketch``, a submodule, hence in the ``state_dict``) and
-computes, on the per-query-head tensors (GQA: k, v repeated H / H_kv times, as the model's
-own eager path does):
+``PolysketchAttention`` (``module.polysketch``, a submodule, hence in the ``state_dict``),
+translates the mask into key padding, repeats k, v over the query heads (GQA: H / H_kv
+times, as the model's own eager path does) and calls the one attention core of
+``polysketch.nn`` (``PolysketchAttention`` is an ``polysketch.nn.core.AttentionCore``):
 
     q, k <- LayerNorm(q), LayerNorm(k)        (optional; trainable; default on for polynomial
-                                                kernels and presets, as ``polysketch.nn``)
+                                                kernels and presets, as ``polysketch.nn``;
+                                                after the model's RoPE)
     out_i = Σ_{j≤i} s_ij v_j / (offset + Σ_{j≤i} s_ij)
 
 with s_ij = φq(q_i)·φk(k_j) (squared for ``square`` maps) of per-head maps (``linear``), the
 exact (q_i·k_j)^p inside blocks and the sketch before them (``psf_mixed``, ``mixed``),
-exact ``polynomial``, or the model's own softmax (``softmax``: ``sdpa_attention_forward``
-with the model's mask and scaling, so logits do not change).
+exact ``polynomial``, an exact window (``sliding_window``), or the model's own softmax
+(``softmax``: ``sdpa_attention_forward`` with the model's mask and scaling, so logits do not
+change; with Gemma-2's logit soft-capping, the model's own eager attention, which applies it).
+The core decides the precision (half operands on accelerators, ``ops.dispatch``), removes
+padded tokens (mixed blocks start at each row's first real token) and decodes from the
+``PolysketchCache`` states.
 
 Scale: a pretrained model's q·k is not normalized; softmax uses exp(scaling·q·k). Polynomial
 kernels get the q/k LayerNorm (its gain is trained by attention transfer), softmax random
@@ -37,21 +43,16 @@ linearize``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..._checks import check_int, check_positive_int
-from ..._checks import compute_dtype as _compute_dtype
-from ...features import available, get_class
-from ...nn.cache import MixedCache, RecurrentCache
-from ...nn.heads import MultiHeadFeatureMap
-from ...nn.presets import SOFTMAX_TARGET_MAPS, resolve_attention
-from ...ops import linear_attention, polynomial_attention
-from ...ops.mixed import mixed_attention
-from ...ops.naive import DEFAULT_EPS
+from ...nn.core import AttentionCore
 
 __all__ = ["ATTENTION_NAME", "PolysketchAttention", "polysketch_attention_forward"]
 
@@ -59,15 +60,19 @@ ATTENTION_NAME = "polysketch"
 """The ``attn_implementation`` name under which polysketch attention is registered."""
 
 
-class PolysketchAttention(nn.Module):
+class PolysketchAttention(AttentionCore):
     """Per-layer kernelized attention core: (B, H, T, D) q, k, v -> (B, H, T, D).
+
+    An ``AttentionCore`` (``polysketch.nn.core``: presets, feature maps, precision policy,
+    caches, padding) plus the q/k LayerNorm applied to the model's rotated q, k and the
+    attention-transfer mode.
 
     Args:
         attention: ``"softmax"``, ``"polynomial"``, a preset (``psf_random``, ``psf_learned``,
-            ``psf_mixed``) or a ``polysketch.features.available()`` name.
+            ``psf_mixed``, ``sliding_window``) or a ``polysketch.features.available()`` name.
         head_dim: D. num_heads: H (query heads). layer_index: seeds head maps.
         scaling: the model's softmax scale (maps whose target is exp(scale·q·k), softmax
-            random features and ``hedgehog``, get it as ``scale``).
+            random features and ``hedgehog``, get it as ``scale``; the window's softmax too).
         chunk_size: block of the chunked algorithm and of the mixed local blocks.
         qk_norm, denominator_offset: ``None`` = the preset / map default.
         seed: base seed of the per-head maps.
@@ -77,6 +82,7 @@ class PolysketchAttention(nn.Module):
             A ``degree=`` the map does not take (``hedgehog``) is the local degree only.
             ``qk_norm`` / ``denominator_offset`` of None become psf_mixed's (LayerNorm on q
             and k, 1 + Σ): the exact local polynomial needs normalized q, k.
+        learn_balance, window: as ``AttentionCore``.
         **map_kwargs: keywords of the feature map.
     """
 
@@ -93,85 +99,37 @@ class PolysketchAttention(nn.Module):
         denominator_offset: float | None = None,
         seed: int = 0,
         mixed: bool = False,
+        learn_balance: bool = False,
+        window: int | None = None,
         **map_kwargs,
     ):
-        super().__init__()
-        if not isinstance(mixed, bool):
-            raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
-        self.head_dim = check_positive_int(head_dim, "head_dim")
-        self.num_heads = check_positive_int(num_heads, "num_heads")
-        self.layer_index = check_int(layer_index, "layer_index", minimum=0)
-        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
-        kwargs = dict(map_kwargs)
-        if attention in SOFTMAX_TARGET_MAPS and "scale" not in kwargs:
-            kwargs["scale"] = float(scaling)
-        local_degree = None
-        if (
-            mixed
-            and "degree" in kwargs
-            and attention in available()
-            and not get_class(attention).takes("degree")
-        ):
-            local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
-        if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)
-            qk_norm = True if qk_norm is None else qk_norm
-            denominator_offset = 1.0 if denominator_offset is None else denominator_offset
-        spec = resolve_attention(
-            attention, self.head_dim, kwargs, qk_norm=qk_norm, denominator_offset=denominator_offset
-        )
-        self.attention = spec.name
-        self.algorithm = spec.algorithm
-        self.degree = spec.degree
-        if mixed:  # exact (q·k)^p inside blocks, this map for earlier blocks (psf_mixed's form)
-            if spec.algorithm != "linear":
-                raise ValueError(
-                    f"mixed=True needs a feature-map attention, got attention={attention!r}"
-                )
-            self.algorithm = "mixed"
-            if local_degree is None:
-                local_degree = spec.map_kwargs.get("degree", 4)
-            self.degree = check_positive_int(local_degree, "degree")
-        self.denominator_offset = float(spec.denominator_offset)
-        self.q_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
-        self.k_norm = nn.LayerNorm(self.head_dim) if spec.qk_norm else None
-        self.feature_map = None
-        if spec.feature_map is not None:
-            self.feature_map = MultiHeadFeatureMap(
-                spec.feature_map,
-                self.head_dim,
-                self.num_heads,
-                seed=seed,
-                layer_index=self.layer_index,
-                **spec.map_kwargs,
-            )
+        super().__init__(
+            attention, qk_dim=check_positive_int(head_dim, "head_dim"), num_heads=num_heads,
+            causal=True, chunk_size=chunk_size, qk_norm=qk_norm,
+            denominator_offset=denominator_offset, seed=seed,
+            layer_index=check_int(layer_index, "layer_index", minimum=0), mixed=mixed,
+            learn_balance=learn_balance, window=window, softmax_scale=float(scaling),
+            **map_kwargs,
+        )  # fmt: skip
+        self.head_dim = self.qk_dim
+        self.q_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
+        self.k_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
+        self.drop_softcap = False  # convert(..., softcap="drop"): logit soft-capping dropped
         self.transfer = False  # attention-transfer mode (see the module docstring)
         self.transfer_loss: torch.Tensor | None = None
         self._active_cache = None  # set by PolysketchCacheLayer.update, consumed by forward
 
     @property
     def uses_state_cache(self) -> bool:
-        """Whether decoding keeps a constant-size state (linear, mixed) instead of a KV cache."""
-        return self.algorithm in ("linear", "mixed")
+        """Whether decoding keeps its own state (linear, mixed, window: a ``PolysketchCache``)
+        instead of transformers' KV cache (softmax, polynomial: a ``DynamicCache``)."""
+        return self.algorithm in ("linear", "mixed", "window")
 
-    def new_state(self) -> RecurrentCache | MixedCache:
-        """An empty per-layer decode state (``polysketch.nn.cache``)."""
-        if self.algorithm == "linear":
-            return RecurrentCache()
-        if self.algorithm == "mixed":
-            return MixedCache(self.chunk_size, self.feature_map.square)
-        raise ValueError(f"attention={self.attention!r} decodes from a KV cache, not a state")
-
-    def decode_state_size(self, seq_len: int) -> int:
-        """Floats per sequence after ``seq_len`` tokens (as ``KernelAttention``)."""
-        t = check_int(seq_len, "seq_len", minimum=0)
-        h, d = self.num_heads, self.head_dim
+    def new_state(self):
+        """An empty per-layer decode state (``AttentionCore.new_cache``)."""
         if not self.uses_state_cache:
-            return 2 * h * d * t
-        state = h * self.feature_map.state_dim * (d + 1)
-        if self.algorithm == "linear":
-            return state if t else 0
-        local = h * (t % self.chunk_size) * (2 * d + self.feature_map.feature_dim)
-        return (state if t >= self.chunk_size else 0) + local
+            raise ValueError(f"attention={self.attention!r} decodes from a KV cache, not a state")
+        return self.new_cache()
 
     def forward(self, q, k, v, *, keep=None, state=None) -> torch.Tensor:
         """q (B, H, Tq, D), k, v (B, H, Tk, D) (heads already repeated) -> (B, H, Tq, D).
@@ -182,72 +140,10 @@ class PolysketchAttention(nn.Module):
         """
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out_dtype = v.dtype
-        with torch.autocast(q.device.type, enabled=False):
-            cd = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-            q, k, v = q.to(cd), k.to(cd), v.to(cd)
-            kpm = None if keep is None else keep[:, None, :]
-            if self.algorithm == "polynomial":
-                o = polynomial_attention(
-                    q, k, v, degree=self.degree, causal=True,
-                    denominator_offset=self.denominator_offset, key_padding_mask=kpm,
-                )  # fmt: skip
-            elif self.algorithm == "linear":
-                o = self._linear(q, k, v, kpm, state)
-            else:
-                o = self._mixed(q, k, v, keep, state)
-        return o.to(out_dtype)
-
-    def _linear(self, q, k, v, kpm, state):
-        fm = self.feature_map
-        out = linear_attention(
-            fm.query(q),
-            fm.key(k),
-            v,
-            causal=True,
-            square=fm.square,
-            chunk_size=self.chunk_size,
-            denominator_offset=self.denominator_offset,
-            key_padding_mask=kpm,
-            initial_state=None if state is None else state.state,
-            return_state=state is not None,
-        )
-        if state is None:
-            return out
-        out, state.state = out
-        state.length += q.shape[-2]
-        return out
-
-    def _mixed(self, q, k, v, keep, state):
-        fm = self.feature_map
-        if state is None and q.shape[-2] != k.shape[-2]:
-            raise ValueError(
-                "psf_mixed / mixed attention needs as many queries as keys without a "
-                "PolysketchCache (decode with the cache convert() installs for generate)"
-            )
-        phi_q, phi_k = fm.query(q), fm.key(k)
-        if keep is not None:  # a zeroed key has κ = 0 and no features: it drops out
-            m = keep[:, None, :, None].to(k.dtype)
-            k, phi_k, v = k * m, phi_k * m, v * m
-        if state is None or state.length == 0:
-            out = mixed_attention(
-                q, k, v, phi_q, phi_k, chunk_size=self.chunk_size, local="polynomial",
-                degree=self.degree, square=fm.square, denominator_offset=self.denominator_offset,
-            )  # fmt: skip
-            if state is not None:
-                state.prefill(k, phi_k, v)
-            return out
-        return state.steps(
-            q, k, v, phi_q, phi_k, degree=self.degree, offset=self.denominator_offset,
-            eps=DEFAULT_EPS,
-        )  # fmt: skip
+        return self.attend(q, k, v, keep=keep, cache=state)
 
     def extra_repr(self) -> str:
-        return (
-            f"attention={self.attention!r}, algorithm={self.algorithm!r}, "
-            f"num_heads={self.num_heads}, head_dim={self.head_dim}, chunk_size={self.chunk_size}, "
-            f"denominator_offset={self.denominator_offset:g}, layer_index={self.layer_index}"
-        )
+        return super().extra_repr() + f", head_dim={self.head_dim}"
 
 
 def _key_padding(mask, q_len: int, k_len: int) -> torch.Tensor | None:
@@ -313,12 +209,19 @@ def polysketch_attention_forward(
         )
     layer_cache, core._active_cache = core._active_cache, None
     softmax_needed = core.algorithm == "softmax" or (core.transfer and torch.is_grad_enabled())
+    softcap = kwargs.get("softcap")
+    if softcap is not None and core.algorithm != "softmax" and not core.drop_softcap:
+        raise ValueError(
+            f"this layer soft-caps its attention logits (softcap={softcap}), which "
+            f"attention={core.attention!r} cannot apply: convert with softcap='drop' to drop "
+            "it explicitly, or use attention='softmax'"
+        )
     reference = None
     if softmax_needed:
         if layer_cache is not None:
             raise ValueError("softmax attention needs a KV cache, not a PolysketchCache")
         with torch.no_grad() if core.transfer else torch.enable_grad():
-            reference, _ = sdpa_attention_forward(
+            reference, _ = _model_softmax(module)(
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, **kwargs,
             )  # fmt: skip
@@ -342,10 +245,27 @@ def polysketch_attention_forward(
     return out, None
 
 
+def _model_softmax(module: nn.Module):
+    """The model's own softmax attention: SDPA (as transformers' ``"sdpa"``), or, for a
+    layer that soft-caps its logits (Gemma-2; SDPA cannot), the eager attention function of
+    the module's own modeling file, which applies the cap exactly."""
+    if getattr(module, "attn_logit_softcapping", None) is None:
+        return sdpa_attention_forward
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"{type(module).__name__} soft-caps its logits but its modeling file has no "
+            "eager_attention_forward to compute them exactly"
+        )
+    return eager
+
+
 def register() -> None:
     """Register ``ATTENTION_NAME`` in transformers' attention and mask interfaces (idempotent)."""
+    from .policies import polysketch_mask
+
     AttentionInterface.register(ATTENTION_NAME, polysketch_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, polysketch_mask)
 
 
 register()

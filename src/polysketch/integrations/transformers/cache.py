@@ -7,26 +7,43 @@ no keys or values: it returns the new k, v unchanged and hands its state to the 
 once; the state is
 
 * linear attention: ``polysketch.nn.cache.RecurrentCache`` — N = Σ φk⊗v, Z = Σ φk
-  (``LinearAttentionState``, F'·(D + 1) floats per head, F' = F² for square maps);
-* ``psf_mixed``: ``polysketch.nn.cache.MixedCache`` — N, Z of the completed blocks plus the
-  keys, key features and values of the current block (< chunk_size tokens).
+  (``LinearAttentionState``, F'·(D + 1) floats per head, F' = F(⌊F/2⌋+1) for square maps);
+* mixed attention: ``polysketch.nn.cache.MixedCache`` — N, Z of the completed blocks plus
+  the keys, key features and values of the current block (< chunk_size tokens);
+* ``sliding_window``: ``polysketch.nn.cache.WindowCache`` — the last w keys and values;
+
+the caches of the one attention core (``AttentionCore.new_cache``).
 
 ``get_seq_length`` counts the tokens consumed (the position of the next one), and
 ``get_mask_sizes`` reports the full length, so transformers builds the usual causal/padding
 mask; the attention function reads only the columns of the new keys (padded keys never
 enter a state). Beam search reorders the states (``reorder_cache``).
+
+Which cache a converted model may decode with (``check_cache``, called before anything is
+computed): attentions that decode from a state take only a ``PolysketchCache``; the exact
+``polynomial`` attention takes transformers' ``DynamicCache`` with full layers (its keys and
+values); ``softmax`` (the model's own attention) takes whatever the model takes. Every other
+cache (static, sliding-window, offloaded static, quantized, a ``DynamicCache`` for a state
+attention) is refused with a ValueError naming the cache and what to use, never computed
+with: their layers hand the attention keys it cannot read correctly (a static cache's
+unfilled slots, a sliding layer's truncated keys, quantized values).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
-from ...ops import LinearAttentionState
 from .attention import PolysketchAttention
 
-__all__ = ["PolysketchCache", "PolysketchCacheLayer"]
+__all__ = ["PolysketchCache", "PolysketchCacheLayer", "check_cache"]
 
 
 class PolysketchCacheLayer(CacheLayerMixin):
@@ -75,25 +92,36 @@ class PolysketchCacheLayer(CacheLayerMixin):
         """Floats held for the whole batch."""
         return self.state.num_floats()
 
-    def _map_batch(self, fn) -> None:
-        s = self.state
-        if isinstance(getattr(s, "state", None), LinearAttentionState):
-            st = s.state
-            s.state = LinearAttentionState(fn(st.numerator), fn(st.denominator), st.length)
-            return
-        for name in ("state", "k", "phi_k", "v"):
-            t = getattr(s, name, None)
-            if isinstance(t, torch.Tensor):
-                setattr(s, name, fn(t))
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.state.select_rows(beam_idx.to(torch.int64))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        rows = self._rows()
+        self.state.select_rows(torch.arange(rows).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices, ...])
+        index = torch.as_tensor(indices)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        self.state.select_rows(index.to(torch.int64).flatten())
+
+    def _rows(self) -> int:
+        """The batch size the state holds."""
+        st = self.state
+        for t in (getattr(st, "positions", None), getattr(st, "conv_tail", None),
+                  getattr(getattr(st, "state", None), "numerator", None),
+                  getattr(st, "k", None)):  # fmt: skip
+            if isinstance(t, torch.Tensor):
+                return t.shape[0]
+        rows = getattr(st, "rows", None)
+        if rows is not None:
+            return len(rows)
+        batch = getattr(st, "batch", None)
+        if batch is not None:
+            for t in (batch.summary, batch.k):
+                if t is not None:
+                    return t.shape[0]
+        return 0
 
 
 class PolysketchCache(Cache):
@@ -122,3 +150,44 @@ class PolysketchCache(Cache):
     def num_floats(self) -> int:
         """Floats held by all layers for the whole batch."""
         return sum(layer.num_floats() for layer in self.layers)
+
+
+def check_cache(cache, core: PolysketchAttention, layer_idx: int | None = None) -> None:
+    """Refuse (ValueError) a cache ``core``'s attention cannot decode with exactly (module
+    docstring); ``None`` passes.
+
+    ``layer_idx``: the check of one attention layer about to run. A plain ``DynamicCache``
+    (full or sliding layers) that holds nothing for that layer yet is then accepted for any
+    attention: transformers makes one itself in a plain forward with ``use_cache=True``, and
+    a full forward reads nothing from it (handing it back for a next step is refused then).
+    """
+    if cache is None or core.algorithm == "softmax":
+        return
+    name = type(cache).__name__
+    plain = type(cache) is DynamicCache and not getattr(cache, "offloading", False)
+    if plain and layer_idx is not None and (
+        layer_idx >= len(cache.layers)
+        or (
+            type(cache.layers[layer_idx]) in (DynamicLayer, DynamicSlidingWindowLayer)
+            and cache.layers[layer_idx].get_seq_length() == 0
+        )
+    ):
+        return
+    if core.uses_state_cache:
+        if not isinstance(cache, PolysketchCache):
+            raise ValueError(
+                f"attention={core.attention!r} decodes from a constant-size state: it cannot use "
+                f"a {name} (its keys and values are not what this attention reads); pass "
+                "past_key_values=PolysketchCache(model), or leave cache_implementation unset "
+                "so generate() makes one"
+            )
+        return
+    if not plain or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"attention={core.attention!r} decodes from transformers' DynamicCache with full "
+            f"layers (every key and value); a {name} "
+            + ("with sliding-window layers " if type(cache) is DynamicCache else "")
+            + "is not supported (static, sliding, offloaded and quantized caches hand the "
+            "attention keys it cannot read exactly): leave cache_implementation unset, or pass "
+            "DynamicCache()"
+        )

@@ -13,7 +13,11 @@ their head size): Llama, Qwen2, Mistral (``self_attn``, ``head_dim``), GPT-NeoX
    function, see ``attention.py``);
 3. stores the settings in ``config.polysketch`` so ``load_converted(path)`` rebuilds the
    modules after ``from_pretrained`` and loads their tensors from the checkpoint;
-4. makes ``generate`` decode from a ``PolysketchCache`` (constant-size state) by default.
+4. makes ``generate`` decode from a ``PolysketchCache`` (constant-size state) by default,
+   and refuses, before computing anything, a cache the attention cannot decode with
+   (``cache.check_cache``: static, sliding, quantized, ...);
+5. says what happens to a sliding window or to logit soft-capping (``policies``:
+   ``sliding_window="refuse"|"full"``, ``softcap="refuse"|"drop"``).
 
 Other causal LMs whose attention modules have ``layer_idx``, ``scaling`` and ``head_dim`` (or
 ``head_size``) and use the attention interface go through the generic adapter.
@@ -32,7 +36,8 @@ from torch import nn
 from ..._checks import check_int, check_positive_int
 from ...nn.presets import valid_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention, register
-from .cache import PolysketchCache
+from .cache import PolysketchCache, check_cache
+from .policies import check_policies, configured_window, install_cache_guards
 
 __all__ = [
     "FAMILIES",
@@ -112,14 +117,18 @@ def polysketch_settings(model: nn.Module) -> dict | None:
 
 
 def _check_settings(
-    attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
+    attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs, *,
+    learn_balance=False, window=None, sliding_window="refuse", softcap="refuse",
 ) -> dict:
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
     if attention not in valid_attentions():
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
-    if not isinstance(mixed, bool):
-        raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
+    for name, flag in (("mixed", mixed), ("learn_balance", learn_balance)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
     if qk_norm is not None and not isinstance(qk_norm, bool):
         raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
     if denominator_offset is not None:
@@ -139,6 +148,10 @@ def _check_settings(
         "qk_norm": qk_norm,
         "denominator_offset": denominator_offset,
         "mixed": mixed,
+        "learn_balance": learn_balance,
+        "window": window,
+        "sliding_window": sliding_window,
+        "softcap": softcap,
         "map_kwargs": dict(map_kwargs),
     }
 
@@ -152,6 +165,10 @@ def convert(
     qk_norm: bool | None = None,
     denominator_offset: float | None = None,
     mixed: bool = False,
+    learn_balance: bool = False,
+    window: int | None = None,
+    sliding_window: str = "refuse",
+    softcap: str = "refuse",
     **map_kwargs,
 ) -> nn.Module:
     """Replace the self-attention of ``model`` (in place) by polysketch attention; returns it.
@@ -170,6 +187,13 @@ def convert(
         denominator_offset: the normalizer's offset (None: 1 for polynomial kernels, else 0).
         mixed: with a feature-map name, psf_mixed's form with that map: exact (q·k)^degree
             inside blocks of ``chunk_size``, the map (e.g. a learnable one) for earlier blocks.
+        learn_balance: mixed attention's learned per-head balance (``polysketch.nn.core``).
+        window: w of ``attention="sliding_window"`` (exact attention over the last w keys).
+        sliding_window: what happens to a model's sliding window (Mistral, Qwen3, Phi-3,
+            Gemma): ``"refuse"`` (default: ValueError) or ``"full"`` (every layer attends to
+            all earlier tokens); see ``policies``. ``softmax`` keeps the window regardless.
+        softcap: what happens to attention logit soft-capping (Gemma-2) in kernelized
+            modes: ``"refuse"`` (default) or ``"drop"``; ``softmax`` keeps it exactly.
         **map_kwargs: keywords of the feature map (e.g. ``num_features=64``).
 
     The new parameters (q/k norms, learnable maps) are created in the dtype and on the device
@@ -177,10 +201,13 @@ def convert(
     polysketch modules are replaced).
     """
     settings = _check_settings(
-        attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs
-    )
+        attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs,
+        learn_balance=learn_balance, window=window, sliding_window=sliding_window,
+        softcap=softcap,
+    )  # fmt: skip
     modules = attention_modules(model)
     config = model.config.get_text_config(decoder=True)
+    check_policies(config, attention, sliding_window, softcap)
     num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
     register()
     for module in modules:
@@ -196,8 +223,11 @@ def convert(
             denominator_offset=settings["denominator_offset"],
             seed=settings["seed"],
             mixed=settings["mixed"],
+            learn_balance=settings["learn_balance"],
+            window=settings["window"],
             **settings["map_kwargs"],
         )
+        core.drop_softcap = settings["softcap"] == "drop"
         if "polysketch" in module._modules:
             del module._modules["polysketch"]
         module.polysketch = core.to(device=ref.device, dtype=ref.dtype)
@@ -205,25 +235,35 @@ def convert(
     if config is not model.config:
         setattr(config, CONFIG_KEY, settings)
     model.set_attn_implementation(ATTENTION_NAME)
-    _install_generate_cache(model, modules[0].polysketch.uses_state_cache)
+    _install_generate_cache(model, modules[0].polysketch, configured_window(config) is not None)
+    install_cache_guards(model, modules)
     return model
 
 
-def _install_generate_cache(model: nn.Module, use_state: bool) -> None:
-    """Make ``generate`` create a ``PolysketchCache`` unless the caller passes a cache."""
+def _install_generate_cache(model: nn.Module, core: PolysketchAttention, window: bool) -> None:
+    """Make ``generate`` create the cache ``core`` decodes with unless the caller passes one
+    (a ``PolysketchCache`` for state attentions; a full ``DynamicCache`` for ``polynomial``
+    in a model with sliding layers), and refuse an unsupported one before the prefill."""
     cls_method = type(model)._prepare_cache_for_generation
-    if not use_state:  # softmax / exact polynomial decode from transformers' KV cache
+    if core.algorithm == "softmax":  # the model's own attention and caches
         model.__dict__.pop("_prepare_cache_for_generation", None)
         return
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        if (
+        default = (
             model_kwargs.get("past_key_values") is None
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
-        ):
+        )
+        if default and core.uses_state_cache:
             model_kwargs["past_key_values"] = PolysketchCache(self)
-        return cls_method(self, generation_config, model_kwargs, *args, **kwargs)
+        elif default and window:  # the window is dropped: keep every key and value
+            from transformers import DynamicCache
+
+            model_kwargs["past_key_values"] = DynamicCache()
+        out = cls_method(self, generation_config, model_kwargs, *args, **kwargs)
+        check_cache(model_kwargs.get("past_key_values"), core)
+        return out
 
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
 
@@ -313,6 +353,10 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
         qk_norm=settings["qk_norm"],
         denominator_offset=settings["denominator_offset"],
         mixed=settings.get("mixed", False),
+        learn_balance=settings.get("learn_balance", False),
+        window=settings.get("window"),
+        sliding_window=settings.get("sliding_window", "refuse"),
+        softcap=settings.get("softcap", "refuse"),
         **settings["map_kwargs"],
     )
     tensors = _checkpoint_tensors(path)

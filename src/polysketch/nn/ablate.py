@@ -1,0 +1,52 @@
+"""``ablate_global(model)``: switch off the global part of mixed attention, for ablations.
+
+Mixed attention (``psf_mixed``, ``mixed=True``) scores the keys of the query's own block
+exactly and the keys of earlier blocks through the feature map, s_ij = φq(q_i)·φk(k_j)
+(squared when ``square``), under one shared normalizer (``polysketch.ops.mixed_attention``).
+Inside ``with ablate_global(model):`` every mixed core of ``model`` (``AttentionCore``,
+including the layers of a converted transformers model) uses φq = 0 for the earlier blocks, so
+
+    out_i = Σ_{j∈blk(i), j≤i} κ_ij v_j / (offset + Σ_{j∈blk(i), j≤i} κ_ij):
+
+block-local exact attention alone (forward and decoding). If that raises a model's loss on
+a recurrence, the model used what lay beyond its block. Sliding-window cores have no global
+part (nothing to do); leaving the ``with`` restores every core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+__all__ = ["ablate_global", "global_cores"]
+
+
+def global_cores(model: nn.Module) -> list:
+    """The ``AttentionCore`` modules of ``model`` with a separate global part (mixed)."""
+    from .core import AttentionCore
+
+    return [m for m in model.modules() if isinstance(m, AttentionCore) and m.algorithm == "mixed"]
+
+
+@contextlib.contextmanager
+def ablate_global(model: nn.Module):
+    """Within the block, every mixed core of ``model`` drops its far-block scores.
+
+    Raises ValueError if ``model`` has no mixed attention (nothing would be ablated: linear
+    attention is all global, softmax and polynomial have no separate global part).
+    """
+    cores = global_cores(model)
+    if not cores:
+        raise ValueError(
+            "model has no attention with a separate global part (no mixed attention: "
+            "psf_mixed or mixed=True); ablate_global is defined for those only"
+        )
+    before = [core.global_ablated for core in cores]
+    try:
+        for core in cores:
+            core.global_ablated = True
+        yield model
+    finally:
+        for core, was in zip(cores, before, strict=True):
+            core.global_ablated = was

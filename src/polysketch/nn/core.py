@@ -1,0 +1,413 @@
+"""``AttentionCore``: the one attention core of ``polysketch.nn`` and of converted HF models.
+
+(B, H, T, D) queries and keys, (B, H, T, E) values, a key mask and a decode cache in,
+(B, H, T, E) out:
+
+    O_i = Σ_{j visible to i} s_ij v_j / (offset + Σ_{j visible to i} s_ij)
+
+with s_ij one of (``polysketch.nn.presets``): a feature map's φq(q_i)·φk(k_j) (squared when
+the map is ``square``, PolySketchFormer Eq. 2; ``"linear"``, ``ops.linear_attention``);
+exact (q_i·k_j)^p inside blocks and the map before them (``"mixed"``, ``ops.mixed_attention``);
+exact (q_i·k_j)^p (``"polynomial"``, Eq. 1); softmax (``"softmax"``, offset 0, exp scores
+normalized); or either exact kernel over the last w keys only (``"window"``,
+``ops.window_attention``). ``KernelAttention`` (projections, short convolution, q/k norm,
+RoPE) and the transformers adapter ``PolysketchAttention`` (mask translation, GQA, q/k norm
+after the model's RoPE) are subclasses: what differs between them lives there, everything
+below is shared. The core owns
+
+* the spec (``resolve_attention``: presets, map defaults, ``mixed=True`` for any map,
+  ``window=`` for ``sliding_window``) and the per-head feature maps (``MultiHeadFeatureMap``);
+* the precision policy: autocast off inside, q, k, v cast to the operand dtype that
+  ``ops.dispatch.operand_dtype`` decides for the working dtype (the autocast dtype when
+  autocast is on, else the inputs'; half stays half on accelerators, fp32 on CPU), the output
+  cast back to v's dtype;
+* the features: ``features.stability.attention_features`` (stabilized queries where exact,
+  overflow refusals), never ``feature_map.query`` / ``key`` directly;
+* padding (``nn.padding``): padded tokens are removed, so mixed attention's block grid and
+  the window start at each row's first real token;
+* decoding: ``new_cache`` and ``decode_state_size`` (``nn.cache``); one token of linear
+  attention is one fused ``ops.linear_attention_step``, of mixed attention one
+  ``ops.mixed_attention_step``;
+* the warm start (``exact_degree``, ``nn.warm_start``), mixed attention's learned per-head
+  balance ``log_balance`` (β_h: far-block scores × exp(β_h), i.e. φq × exp(β_h) for plain
+  maps, × exp(β_h/2) for square ones) and the global-part ablation (``nn.ablate_global``).
+
+``_attend(q, k, v, keep, cache)`` is the single call that receives the post-norm, post-RoPE
+q, k, v in the operand dtype (capture and diagnosis tools wrap it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from .._checks import check_int, check_positive_int
+from ..features import get_class
+from ..features.stability import attention_features
+from ..ops import (
+    dispatch,
+    linear_attention,
+    linear_attention_step,
+    polynomial_attention,
+    softmax_attention,
+    window_attention,
+)
+from ..ops.mixed import mixed_attention
+from ..ops.naive import DEFAULT_EPS
+from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
+from .heads import MultiHeadFeatureMap
+from .padding import compaction, gather_time
+from .presets import resolve_attention
+
+__all__ = ["AttentionCore", "working_dtype"]
+
+
+class AttentionCore(nn.Module):
+    """The attention core (module docstring): ``attend(q, k, v, keep=, cache=)``.
+
+    Args:
+        attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
+            ``softmax``, ``sliding_window``) or a ``polysketch.features.available()`` name.
+        qk_dim: D, the size of queries and keys (the maps' input). num_heads: H.
+        value_dim: E (default D); only ``decode_state_size`` needs it.
+        causal: causal mask. Mixed, window and decoding need it.
+        chunk_size: block b of the block algorithm and of mixed attention's local blocks.
+        qk_norm, denominator_offset: ``None`` = the preset / map default (``resolve_attention``;
+            the wrappers build and apply the q/k LayerNorm where their architecture puts it).
+        seed, layer_index: head h's map is seeded with ``head_seed(seed, layer_index, h)``.
+        checkpoint: recompute features and attention in the backward (linear, mixed).
+        mixed: mixed attention with this feature map (``presets``).
+        learn_balance: mixed only; a trainable β_h per head (module docstring), initialised
+            so that the layer starts as without it: the map's ``output_scale`` c (psf_mixed:
+            1/√r) moves into β = log(c²) (plain maps) or log(c⁴) (square maps).
+        window: ``sliding_window``'s w.
+        softmax_scale: the scale of softmax scores and of maps targeting exp(scale·q·k)
+            (None: 1/√D); the transformers adapter passes the model's ``scaling``.
+        **map_kwargs: keywords of the feature map (or ``degree`` / ``kernel`` of exact ones).
+    """
+
+    def __init__(
+        self,
+        attention: str = "polysketch",
+        *,
+        qk_dim: int,
+        num_heads: int,
+        value_dim: int | None = None,
+        causal: bool = True,
+        chunk_size: int = 64,
+        qk_norm: bool | None = None,
+        denominator_offset: float | None = None,
+        seed: int = 0,
+        layer_index: int = 0,
+        checkpoint: bool = False,
+        mixed: bool = False,
+        learn_balance: bool = False,
+        window: int | None = None,
+        softmax_scale: float | None = None,
+        **map_kwargs,
+    ):
+        super().__init__()
+        self.qk_dim = check_positive_int(qk_dim, "qk_dim")
+        self.num_heads = check_positive_int(num_heads, "num_heads")
+        self.value_dim = self.qk_dim if value_dim is None else check_positive_int(value_dim,
+                                                                                  "value_dim")  # fmt: skip
+        self.causal = _check_bool(causal, "causal")
+        self.checkpoint = _check_bool(checkpoint, "checkpoint")
+        _check_bool(learn_balance, "learn_balance")
+        if qk_norm is not None:
+            _check_bool(qk_norm, "qk_norm")
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        self.seed = check_int(seed, "seed", minimum=0)
+        self.layer_index = check_int(layer_index, "layer_index", minimum=0)
+        spec = resolve_attention(
+            attention, self.qk_dim, map_kwargs, qk_norm=qk_norm,
+            denominator_offset=denominator_offset, mixed=mixed, window=window,
+            softmax_scale=softmax_scale,
+        )  # fmt: skip
+        if spec.algorithm in ("mixed", "window") and not self.causal:
+            raise ValueError(
+                f"attention={attention!r} ({spec.algorithm} attention) needs causal=True"
+            )
+        if learn_balance and spec.algorithm != "mixed":
+            raise ValueError(
+                "learn_balance=True needs mixed attention (mixed=True or psf_mixed): it weighs "
+                f"the far blocks against the exact local blocks; attention={attention!r} has none"
+            )
+        self.spec = spec
+        self.attention = spec.name
+        self.algorithm = spec.algorithm
+        self.denominator_offset = float(spec.denominator_offset)
+        self.degree = check_positive_int(spec.degree, "degree")
+        self.window = spec.window
+        self.softmax_scale = softmax_scale
+        self.exact_degree: int | None = None  # warm start: see polysketch.nn.warm_start
+        self.global_ablated = False  # see polysketch.nn.ablate_global
+        # the q/k LayerNorms (spec.qk_norm) are built and applied by the subclasses, where
+        # their architecture puts them; their slots come first (state_dict order)
+        self.register_module("q_norm", None)
+        self.register_module("k_norm", None)
+        self.feature_map = None
+        self.log_balance = None
+        kwargs, c = dict(spec.map_kwargs), 1.0
+        if learn_balance and get_class(spec.feature_map).takes("output_scale"):
+            c = float(kwargs.pop("output_scale", 1.0))  # moves into the balance
+        if spec.feature_map is not None:
+            self.feature_map = MultiHeadFeatureMap(
+                spec.feature_map, self.qk_dim, self.num_heads, seed=self.seed,
+                layer_index=self.layer_index, **kwargs,
+            )  # fmt: skip
+        if learn_balance:
+            beta = math.log(c) * (4 if self.feature_map.square else 2)
+            self.log_balance = nn.Parameter(torch.full((self.num_heads,), beta))
+
+    # ----- decoding state --------------------------------------------------------------------
+    def new_cache(self) -> RecurrentCache | KVCache | MixedCache | WindowCache:
+        """An empty decode cache for this core (see ``polysketch.nn.cache``)."""
+        if not self.causal:
+            raise ValueError("decoding caches need causal=True")
+        if self.algorithm == "linear":
+            return RecurrentCache()
+        if self.algorithm == "mixed":
+            return MixedCache(self.chunk_size, self.feature_map.square)
+        if self.algorithm == "window":
+            return WindowCache(self.window)
+        return KVCache()
+
+    def decode_state_size(self, seq_len: int) -> int:
+        """Floats this core's cache holds per sequence after ``seq_len`` tokens.
+
+        Linear: H·F'·(E + 1) with F' = F(⌊F/2⌋+1) (square: the pair layout of ``ops.state``)
+        or F, constant; KV cache: H·(D + E)·t; window: H·(D + E)·min(t, w);
+        mixed: H·F'·(E + 1) once a block is complete + H·(t mod b)·(D + E + F).
+        """
+        t = check_int(seq_len, "seq_len", minimum=0)
+        h, d, e = self.num_heads, self.qk_dim, self.value_dim
+        if self.algorithm in ("softmax", "polynomial"):
+            return h * (d + e) * t
+        if self.algorithm == "window":
+            return h * (d + e) * min(t, self.window)
+        state = h * self.feature_map.state_dim * (e + 1)
+        if self.algorithm == "linear":
+            return state if t else 0
+        local = h * (t % self.chunk_size) * (d + e + self.feature_map.feature_dim)
+        return (state if t >= self.chunk_size else 0) + local
+
+    @torch.no_grad()
+    def redraw_feature_map_(self, generator: torch.Generator | None = None) -> None:
+        """Redraw the per-head random feature maps (no-op without one)."""
+        if self.feature_map is not None:
+            self.feature_map.redraw_(generator)
+
+    # ----- the computation -------------------------------------------------------------------
+    def forward(self, q, k, v, *, keep=None, cache=None) -> torch.Tensor:
+        """Alias of ``attend``."""
+        return self.attend(q, k, v, keep=keep, cache=cache)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        keep: torch.Tensor | None = None,
+        cache=None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """q (B, H, Tq, D), k (B, H, Tk, D), v (B, H, Tk, E) -> (B, H, Tq, E), v's dtype.
+
+        ``keep``: bool (B, Tk), True = real token (padded keys are removed, ``nn.padding``).
+        ``cache``: a ``new_cache()`` object (q, k, v are then the next tokens, Tq = Tk, and
+        the cache is updated in place) or None (queries aligned with the last keys).
+        ``dtype``: the working dtype (default ``working_dtype(q, v)``), from which
+        ``ops.dispatch.operand_dtype`` decides the operands.
+        """
+        if keep is not None and (keep.dtype != torch.bool or keep.dim() != 2
+                                 or tuple(keep.shape) != (k.shape[0], k.shape[-2])):  # fmt: skip
+            raise ValueError(
+                f"keep must be a bool (B, Tk) = {(k.shape[0], k.shape[-2])} key mask, got "
+                f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}"
+            )
+        device = q.device.type
+        work = working_dtype(q, v) if dtype is None else dtype
+        out_dtype = v.dtype
+        with torch.autocast(device, enabled=False):
+            od = dispatch.operand_dtype(work, q.device)  # half stays half on accelerators
+            q, k, v = q.to(od), k.to(od), v.to(od)
+            o = self._attend(q, k, v, keep, cache)
+        return o.to(out_dtype)
+
+    def _attend(self, q, k, v, keep, cache) -> torch.Tensor:
+        """The algorithm on (B, H, T, ·) tensors in the operand dtype (module docstring)."""
+        if self.exact_degree is not None and cache is None:  # warm start (nn.warm_start)
+            kpm = None if keep is None else keep.unsqueeze(1)
+            return polynomial_attention(q, k, v, degree=self.exact_degree, causal=self.causal,
+                denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
+        if self.algorithm == "linear":
+            return self._linear(q, k, v, keep, cache)
+        if self.algorithm == "mixed":
+            return self._mixed(q, k, v, keep, cache)
+        if self.algorithm == "window":
+            return self._window(q, k, v, keep, cache)
+        return self._exact(q, k, v, keep, cache)
+
+    def _exact(self, q, k, v, keep, cache) -> torch.Tensor:
+        """softmax / polynomial over every visible key (KV cache when decoding)."""
+        if cache is not None:
+            k, v, keep = cache.append(k, v, keep)
+        kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, Tk) against (B, H, Tk, .)
+        if self.algorithm == "polynomial":
+            return polynomial_attention(q, k, v, degree=self.degree, causal=self.causal,
+                denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
+        scale = self.softmax_scale
+        if kpm is None and (q.shape[-2] == k.shape[-2] or q.shape[-2] == 1):
+            if self.causal and q.shape[-2] > 1:  # a branch (a guard under compile), so a bool
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return softmax_attention(q, k, v, causal=self.causal, scale=scale, key_padding_mask=kpm)
+
+    def _features(self, q, k, kpm, *, normalize=True, initial_sums=None):
+        """(φq, φk) by ``attention_features`` (stabilized queries only where exact)."""
+        return attention_features(
+            self.feature_map, q, k, causal=self.causal, eps=DEFAULT_EPS, normalize=normalize,
+            denominator_offset=self.denominator_offset, key_padding_mask=kpm,
+            initial_sums=None if self.feature_map.square else initial_sums,
+        )  # fmt: skip
+
+    def _linear(self, q, k, v, keep, cache) -> torch.Tensor:
+        fm, kpm = self.feature_map, None if keep is None else keep.unsqueeze(1)
+        kw = dict(square=fm.square, denominator_offset=self.denominator_offset,
+                  key_padding_mask=kpm)  # fmt: skip
+        state = None if cache is None else cache.state
+        if state is not None and q.shape[-2] == 1:  # one token: one fused update and read
+            phi_q, phi_k = self._features(q, k, kpm, initial_sums=state.denominator)
+            out, cache.state = linear_attention_step(phi_q, phi_k, v, state, **kw)
+            cache.length += 1
+            return out
+
+        def run(q, k, v):
+            sums = None if state is None else state.denominator
+            phi_q, phi_k = self._features(q, k, kpm, initial_sums=sums)
+            return linear_attention(phi_q, phi_k, v, causal=self.causal, chunk_size=self.chunk_size,
+                                    initial_state=state, return_state=cache is not None,
+                                    **kw)  # fmt: skip
+
+        if cache is not None:
+            out, cache.state = run(q, k, v)
+            cache.length += q.shape[-2]
+            return out
+        if self.checkpoint and torch.is_grad_enabled():
+            return _checkpoint(run, q, k, v, use_reentrant=False)
+        return run(q, k, v)
+
+    def _global_queries(self, phi_q: torch.Tensor) -> torch.Tensor:
+        """φq of the far blocks: × exp(β_h) (exp(β_h/2) for square maps), or 0 if ablated."""
+        if self.global_ablated:
+            return torch.zeros_like(phi_q)
+        if self.log_balance is None:
+            return phi_q
+        power = 0.5 if self.feature_map.square else 1.0
+        beta = self.log_balance
+        factor = (beta.to(torch.promote_types(beta.dtype, torch.float32)) * power).exp()
+        factor = factor.to(phi_q.dtype)
+        return phi_q * factor.view(self.num_heads, 1, 1)
+
+    def _mixed(self, q, k, v, keep, cache) -> torch.Tensor:
+        fm = self.feature_map
+        if cache is None and q.shape[-2] != k.shape[-2]:
+            raise ValueError(
+                "mixed attention needs as many queries as keys without its own cache (decode "
+                "with new_cache(), or PolysketchCache in a converted transformers model)"
+            )
+
+        def features(q, k, v, keep):
+            kpm = None if keep is None else keep.unsqueeze(1)
+            phi_q, phi_k = self._features(q, k, kpm, normalize=False)  # no query rescaling:
+            phi_q = self._global_queries(phi_q)  # the local scores share the normalizer
+            if keep is not None:  # a zero key has κ = 0 and no features: it drops out
+                m = keep[:, None, :, None]
+                k, phi_k, v = (torch.where(m, x, x.new_zeros(())) for x in (k, phi_k, v))
+            return phi_q, k, phi_k, v
+
+        if cache is not None and cache.length > 0:
+            phi_q, k, phi_k, v = features(q, k, v, keep)
+            return cache.steps(q, k, v, phi_q, phi_k, keep, degree=self.degree,
+                               offset=self.denominator_offset, eps=DEFAULT_EPS)  # fmt: skip
+        perm = inverse = None
+        if keep is not None:  # each row's block grid starts at its first real token
+            perm, inverse = compaction(keep)
+            q, k, v = (gather_time(x, perm, dim=-2) for x in (q, k, v))
+            keep = keep.gather(-1, perm)
+
+        def run(q, k, v):
+            phi_q, k, phi_k, v = features(q, k, v, keep)
+            out = mixed_attention(q, k, v, phi_q, phi_k, chunk_size=self.chunk_size,
+                                  local="polynomial", degree=self.degree, square=fm.square,
+                                  denominator_offset=self.denominator_offset)  # fmt: skip
+            return out, k, phi_k, v
+
+        if cache is None and self.checkpoint and torch.is_grad_enabled():
+            out = _checkpoint(lambda *x: run(*x)[0], q, k, v, use_reentrant=False)
+        else:
+            out, k, phi_k, v = run(q, k, v)
+        if cache is not None:  # prefill: keep the completed blocks' state and the rest
+            lengths = None if keep is None else keep.sum(-1).tolist()
+            cache.prefill(k, phi_k, v, lengths)
+        return out if inverse is None else gather_time(out, inverse, dim=-2)
+
+    def _window(self, q, k, v, keep, cache) -> torch.Tensor:
+        kernel = self.spec.window_kernel
+        scale = self.softmax_scale if kernel == "softmax" else None
+        kw = dict(kernel=kernel, scale=scale, degree=self.degree,
+                  denominator_offset=self.denominator_offset)  # fmt: skip
+        if cache is not None and cache.length > 0:
+            return torch.cat([self._window_step(q[..., i : i + 1, :], k[..., i : i + 1, :],
+                              v[..., i : i + 1, :], None if keep is None else keep[:, i : i + 1],
+                              cache, kernel, scale) for i in range(q.shape[-2])], dim=-2)  # fmt: skip
+        inverse = None
+        if keep is not None:  # the window counts real tokens only
+            perm, inverse = compaction(keep)
+            q, k, v = (gather_time(x, perm, dim=-2) for x in (q, k, v))
+            keep = keep.gather(-1, perm)
+        kpm = None if keep is None else keep.unsqueeze(1)
+        out = window_attention(q, k, v, window=self.window, key_padding_mask=kpm, **kw)
+        if cache is not None:
+            cache.prefill(k, v, None if keep is None else keep.sum(-1))
+        return out if inverse is None else gather_time(out, inverse, dim=-2)
+
+    def _window_step(self, q, k, v, keep, cache, kernel, scale) -> torch.Tensor:
+        """One new token against the window cache (the new key included)."""
+        ks, vs, visible = cache.append(k, v, keep)
+        kpm = visible.unsqueeze(1)
+        if kernel == "softmax":
+            return softmax_attention(q, ks, vs, causal=False, scale=scale, key_padding_mask=kpm)
+        return polynomial_attention(q, ks, vs, degree=self.degree, causal=False,
+                                    denominator_offset=self.denominator_offset,
+                                    key_padding_mask=kpm)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"attention={self.attention!r}, algorithm={self.algorithm!r}, "
+            f"num_heads={self.num_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
+            f"chunk_size={self.chunk_size}, denominator_offset={self.denominator_offset:g}, "
+            f"layer_index={self.layer_index}"
+            + (f", window={self.window}" if self.window is not None else "")
+        )
+
+
+def working_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The dtype attention is meant to run in: autocast's when it is on for q's device (a
+    LayerNorm under autocast returns fp32, which must not decide), else that of q and v."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(q.dtype, v.dtype)
+
+
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value

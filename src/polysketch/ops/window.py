@@ -1,0 +1,169 @@
+"""Sliding-window attention: each query sees only the last ``window`` keys, exactly.
+
+For queries and keys at positions 0..T−1 and a window w, query i sees the keys
+
+    W(i) = { j : i − w < j <= i, key j kept }
+
+(itself included, at most w of them) and
+
+    softmax:     out_i = Σ_{j∈W(i)} exp(s_ij) v_j / Σ_{j∈W(i)} exp(s_ij),   s_ij = scale·q_i·k_j
+                 (scale = 1/√D by default; a query with no visible key gets 0),
+    polynomial:  out_i = Σ_{j∈W(i)} κ_ij v_j / stab(offset + Σ_{j∈W(i)} κ_ij),
+                 κ_ij = (scale·q_i·k_j)^degree (scale = 1 by default; Eq. 1 of
+                 PolySketchFormer restricted to the window).
+
+This is the local-only control of mixed attention (``ops.mixed``): the same exact local
+scores, nothing from farther back. ``window_attention`` computes it in O(T·w) time and
+memory by blocks of b = min(w, T) rows: block n of queries sees only key blocks n − 1 and n
+(every key within w of a query of block n lies there), under a banded mask; no T×T matrix.
+``naive_window_attention`` is the quadratic reference (the full masked score matrix).
+Precision: scores, softmax and normalizer in the compute dtype (fp32 for bf16/fp16 inputs);
+the output in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_choice, check_float, check_positive_int, compute_dtype
+from ._validate import check_key_padding_mask, check_offset_eps, check_qkv
+from .naive import DEFAULT_EPS, stabilize_denominator
+
+__all__ = ["WINDOW_KERNELS", "window_attention", "naive_window_attention"]
+
+WINDOW_KERNELS = ("softmax", "polynomial")
+
+
+def _validate(q, k, v, window, kernel, scale, degree, offset, eps, key_padding_mask):
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"q and k must have the same length T (one query per key), got {q.shape[-2]} "
+            f"and {k.shape[-2]}"
+        )
+    window = check_positive_int(window, "window")
+    kernel = check_choice(kernel, "kernel", WINDOW_KERNELS)
+    degree = check_positive_int(degree, "degree")
+    offset, eps = check_offset_eps(offset, eps)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if kernel == "softmax" else 1.0
+    scale = check_float(scale, "scale")
+    check_key_padding_mask(key_padding_mask, k)
+    return window, kernel, scale, degree, offset, eps
+
+
+def _weights(logits, mask, kernel, degree):
+    """Unnormalized weights (0 where ``mask`` is False) of the scaled scores ``logits``."""
+    if kernel == "polynomial":
+        return torch.where(mask, logits.pow(degree), logits.new_zeros(()))
+    logits = logits.masked_fill(~mask, float("-inf"))
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, m.new_zeros(())).detach()
+    return torch.where(mask, (logits - m).exp(), logits.new_zeros(()))
+
+
+def _normalize(num, den, kernel, offset, eps, dtype):
+    if kernel == "softmax":
+        return num / den.clamp_min(torch.finfo(dtype).tiny)
+    return num / stabilize_denominator(den + offset, eps)
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    degree: int = 4,
+    denominator_offset: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Causal sliding-window attention (module docstring) in O(T·w), by blocks.
+
+    Args:
+        q, k: (..., T, D); v: (..., T, E); same leading dims, dtype and device.
+        window: w >= 1, the keys each query sees (itself included).
+        kernel: ``"softmax"`` or ``"polynomial"``.
+        scale: multiplies q·k (default 1/√D for softmax, 1 for polynomial).
+        degree, denominator_offset, eps: of the polynomial kernel (unused by softmax).
+        key_padding_mask: bool (..., T) broadcastable to k.shape[:-1], True = keep.
+
+    Returns (..., T, E) in the dtype of q. Block b = min(w, T): query block n attends key
+    blocks n−1 and n, scores (..., N, b, 2b): 2·T·b entries, never T×T.
+    """
+    window, kernel, scale, degree, offset, eps = _validate(
+        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask
+    )
+    dtype, t = q.dtype, q.shape[-2]
+    if t == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    cd = compute_dtype(dtype)
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    b = min(window, t)
+    n = -(-t // b)
+    pad = n * b - t
+    keep = torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device)
+    if key_padding_mask is not None:
+        keep = keep & key_padding_mask
+        m = keep.unsqueeze(-1)  # a padded k or v may be non-finite: it must not reach a sum
+        k, v = torch.where(m, k, k.new_zeros(())), torch.where(m, v, v.new_zeros(()))
+
+    def blocks(x, fill=0.0):  # (..., T, X) -> (..., N, b, X)
+        return F.pad(x, (0, 0, 0, pad), value=fill).unflatten(-2, (n, b))
+
+    def with_previous(x):  # (..., N, b, X) -> (..., N, 2b, X): block n-1 then block n
+        prev = F.pad(x[..., :-1, :, :], (0, 0, 0, 0, 1, 0))
+        return torch.cat([prev, x], dim=-2)
+
+    qb = blocks(q)
+    kb, vb = with_previous(blocks(k)), with_previous(blocks(v))
+    # (..., N, 2b); the "previous block" of block 0 is padding, never kept
+    kept = with_previous(blocks(keep.unsqueeze(-1), fill=False)).squeeze(-1)
+    a = torch.arange(b, device=q.device)
+    c = torch.arange(2 * b, device=q.device)
+    rel = b + a[:, None] - c[None, :]  # i - j for query a of a block, key c of its pair
+    band = (rel >= 0) & (rel < window)  # (b, 2b)
+    mask = band & kept.unsqueeze(-2)  # (..., N, b, 2b)
+    logits = (qb @ kb.transpose(-1, -2)) * scale
+    w = _weights(logits, mask, kernel, degree)
+    out = _normalize(w @ vb, w.sum(-1, keepdim=True), kernel, offset, eps, cd)
+    return out.flatten(-3, -2)[..., :t, :].to(dtype)
+
+
+def naive_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    degree: int = 4,
+    denominator_offset: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Reference of ``window_attention``: the (..., T, T) score matrix under the band mask
+    i − w < j <= i and the key mask, O(T²). Same arguments and result."""
+    window, kernel, scale, degree, offset, eps = _validate(
+        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask
+    )
+    dtype, t = q.dtype, q.shape[-2]
+    cd = compute_dtype(dtype)
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    i = torch.arange(t, device=q.device)[:, None]
+    j = torch.arange(t, device=q.device)[None, :]
+    mask = (j <= i) & (j > i - window)
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask.unsqueeze(-2)
+        m = key_padding_mask.unsqueeze(-1)
+        k, v = torch.where(m, k, k.new_zeros(())), torch.where(m, v, v.new_zeros(()))
+    w = _weights((q @ k.transpose(-1, -2)) * scale, mask, kernel, degree)
+    out = _normalize(w @ v, w.sum(-1, keepdim=True), kernel, offset, eps, cd)
+    return out.to(dtype)
