@@ -151,11 +151,16 @@ class MixedCache(_Cache):
         t = k.shape[-2]
         if lengths is None or len(set(lengths)) == 1:
             n = t if lengths is None else lengths[0]
-            self.batch = mixed_attention_state(k[..., :n, :], phi_k[..., :n, :], v[..., :n, :], **kw)
+            head = (x[..., :n, :] for x in (k, phi_k, v))
+            self.batch = mixed_attention_state(*head, **kw)
         else:
             self.rows = [
-                mixed_attention_state(k[b : b + 1, ..., :n, :], phi_k[b : b + 1, ..., :n, :],
-                                      v[b : b + 1, ..., :n, :], **kw)  # fmt: skip
+                mixed_attention_state(
+                    k[b : b + 1, ..., :n, :],
+                    phi_k[b : b + 1, ..., :n, :],
+                    v[b : b + 1, ..., :n, :],
+                    **kw,
+                )  # fmt: skip
                 for b, n in enumerate(lengths)
             ]
         self.length = t

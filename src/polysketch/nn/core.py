@@ -113,8 +113,8 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.qk_dim = check_positive_int(qk_dim, "qk_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
-        self.value_dim = self.qk_dim if value_dim is None else check_positive_int(value_dim,
-                                                                                  "value_dim")  # fmt: skip
+        value_dim = self.qk_dim if value_dim is None else value_dim
+        self.value_dim = check_positive_int(value_dim, "value_dim")
         self.causal = _check_bool(causal, "causal")
         self.checkpoint = _check_bool(checkpoint, "checkpoint")
         _check_bool(learn_balance, "learn_balance")
@@ -363,10 +363,13 @@ class AttentionCore(nn.Module):
         scale = self.softmax_scale if kernel == "softmax" else None
         kw = dict(kernel=kernel, scale=scale, degree=self.degree,
                   denominator_offset=self.denominator_offset)  # fmt: skip
-        if cache is not None and cache.length > 0:
-            return torch.cat([self._window_step(q[..., i : i + 1, :], k[..., i : i + 1, :],
-                              v[..., i : i + 1, :], None if keep is None else keep[:, i : i + 1],
-                              cache, kernel, scale) for i in range(q.shape[-2])], dim=-2)  # fmt: skip
+        if cache is not None and cache.length > 0:  # one token at a time
+            outs = []
+            for i in range(q.shape[-2]):
+                one = (x[..., i : i + 1, :] for x in (q, k, v))
+                step_keep = None if keep is None else keep[:, i : i + 1]
+                outs.append(self._window_step(*one, step_keep, cache, kernel, scale))
+            return torch.cat(outs, dim=-2)
         inverse = None
         if keep is not None:  # the window counts real tokens only
             perm, inverse = compaction(keep)

@@ -165,11 +165,15 @@ def check_cache(cache, core: PolysketchAttention, layer_idx: int | None = None) 
         return
     name = type(cache).__name__
     plain = type(cache) is DynamicCache and not getattr(cache, "offloading", False)
-    if plain and layer_idx is not None and (
-        layer_idx >= len(cache.layers)
-        or (
-            type(cache.layers[layer_idx]) in (DynamicLayer, DynamicSlidingWindowLayer)
-            and cache.layers[layer_idx].get_seq_length() == 0
+    if (
+        plain
+        and layer_idx is not None
+        and (
+            layer_idx >= len(cache.layers)
+            or (
+                type(cache.layers[layer_idx]) in (DynamicLayer, DynamicSlidingWindowLayer)
+                and cache.layers[layer_idx].get_seq_length() == 0
+            )
         )
     ):
         return

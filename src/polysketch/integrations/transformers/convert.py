@@ -117,8 +117,18 @@ def polysketch_settings(model: nn.Module) -> dict | None:
 
 
 def _check_settings(
-    attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs, *,
-    learn_balance=False, window=None, sliding_window="refuse", softcap="refuse",
+    attention,
+    chunk_size,
+    seed,
+    qk_norm,
+    denominator_offset,
+    mixed,
+    map_kwargs,
+    *,
+    learn_balance=False,
+    window=None,
+    sliding_window="refuse",
+    softcap="refuse",
 ) -> dict:
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
