@@ -97,9 +97,9 @@ def test_key_padding_mask(attention):
     y2 = layer(x2, key_padding_mask=keep)
     assert torch.allclose(y[keep], y2[keep], rtol=1e-10, atol=1e-12)
     assert torch.equal(y[1], y2[1])
-    if attention != "psf_mixed":  # mixed blocks are absolute positions: removal shifts them
-        real = layer(x[:1, keep[0]])
-        assert rel_err(y[0, keep[0]], real[0]) < 1e-10
+    # padding is removal (nn.padding): mixed blocks start at the first real token too
+    real = layer(x[:1, keep[0]])
+    assert rel_err(y[0, keep[0]], real[0]) < 1e-10
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS + ["tensor_power"])

@@ -248,7 +248,7 @@ class WindowCache(_Cache):
         self.length += 1
         ks = k if self.k is None else torch.cat([self.k, k], dim=-2)
         vs = v if self.v is None else torch.cat([self.v, v], dim=-2)
-        mask = _append_keep(self.keep, keep, ks.shape[-2] - 1, ks)
+        mask = _append_keep(self.keep, keep, ks.shape[-2] - 1, k)
         if mask is None:
             mask = torch.ones(ks.shape[0], ks.shape[-2], dtype=torch.bool, device=ks.device)
         # a key is in row b's window if it is real and among the row's last w real keys

@@ -11,8 +11,11 @@ which has about the parameters of a 4·E MLP. Positions come from RoPE inside at
 are seeded from (``config.seed``, layer index, head index) (``polysketch.nn.heads.head_seed``).
 
 Decoding: ``generate`` prefills a per-layer cache (``polysketch.nn.cache``) with the prompt and
-then feeds one token at a time: linear attentions keep a constant-size state, softmax and
-polynomial a KV cache, ``psf_mixed`` the state of complete blocks plus the current block.
+then feeds one token at a time: linear attentions keep a constant-size state (one fused
+update per token), softmax and polynomial a KV cache, mixed attention the state of complete
+blocks plus the current block, ``sliding_window`` the last w keys. Prompts of different
+lengths go in one batch with a ``key_padding_mask`` (pads anywhere, usually on the left):
+each row generates what it generates alone (``polysketch.nn.padding``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class TransformerConfig:
     qk_dim: int | None = None  # per-head query/key size (default n_embd / n_head; BASED: 16)
     short_conv: int = 0  # kernel size of the short convolution on q, k, v (0 = off)
     qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
+    mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
+    learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
+    window: int | None = None  # attention="sliding_window": keys each query sees
 
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -71,7 +77,9 @@ class TransformerConfig:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
         if not isinstance(self.map_kwargs, dict):
             raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
-        for name in ("rope", "tie_embeddings"):
+        if self.window is not None:
+            check_positive_int(self.window, "window")
+        for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
@@ -114,6 +122,9 @@ class Block(nn.Module):
             qk_dim=config.qk_dim,
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
+            mixed=config.mixed,
+            learn_balance=config.learn_balance,
+            window=config.window,
             **config.map_kwargs,
         )
         self.ln_2 = nn.LayerNorm(config.n_embd)
@@ -248,6 +259,7 @@ class TransformerLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to idx (B, T0) -> (B, T0 + N).
 
@@ -255,8 +267,27 @@ class TransformerLM(nn.Module):
         ``temperature=0`` or ``top_k=1``: greedy argmax. Otherwise tokens are drawn from
         softmax(logits / temperature) restricted to the ``top_k`` largest, with the CPU
         ``generator`` (``None``: torch's global RNG). Dropout is off while generating.
+        ``key_padding_mask``: bool (B, T0), True = real prompt token (pads anywhere, e.g. on
+        the left of shorter prompts): row b continues after its last real token and generates
+        what it generates alone (``polysketch.nn.padding``); the returned ids keep the pads.
         """
         idx = self._check_idx(idx)
+        last = None
+        if key_padding_mask is not None:
+            if (
+                not isinstance(key_padding_mask, torch.Tensor)
+                or key_padding_mask.dtype != torch.bool
+                or tuple(key_padding_mask.shape) != tuple(idx.shape)
+            ):
+                raise ValueError(
+                    f"key_padding_mask must be a bool tensor of the shape of idx "
+                    f"{tuple(idx.shape)} (True = real token)"
+                )
+            count = key_padding_mask.sum(-1)
+            if bool((count == 0).any()):
+                raise ValueError("key_padding_mask: every prompt needs at least one real token")
+            positions = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)
+            last = torch.where(key_padding_mask, positions, -1).amax(-1)  # last real token
         n = check_int(max_new_tokens, "max_new_tokens", minimum=0)
         temperature = check_float(temperature, "temperature", minimum=0.0)
         if top_k is not None:
@@ -268,14 +299,16 @@ class TransformerLM(nn.Module):
         self.eval()
         try:
             caches = self.new_caches()
-            logits, _ = self(idx, caches=caches)
+            logits, _ = self(idx, caches=caches, key_padding_mask=key_padding_mask)
+            if last is not None:  # each row's next token follows its last real one
+                logits = logits[torch.arange(idx.shape[0], device=idx.device), last].unsqueeze(1)
             out = [idx]
             for step in range(n):
-                last = logits[:, -1, :].float()
+                final = logits[:, -1, :].float()
                 if greedy:
-                    nxt = last.argmax(dim=-1, keepdim=True)
+                    nxt = final.argmax(dim=-1, keepdim=True)
                 else:
-                    nxt = _sample(last / temperature, top_k, generator).to(idx.device)
+                    nxt = _sample(final / temperature, top_k, generator).to(idx.device)
                 out.append(nxt.to(idx.dtype))
                 if step + 1 < n:
                     logits, _ = self(out[-1], caches=caches)

@@ -1,0 +1,83 @@
+"""Converted HF models under left padding (issue 22 item 1): batched == each row alone.
+
+A Llama generates, in one left-padded batch, prompts of 100, 70 and 30 tokens with blocks of
+64: first-step logits and 20 greedy tokens equal each row's own run, for every preset and for
+``convert(..., mixed=True)``; a plain forward with left padding equals the rows alone.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import rel_err  # noqa: E402
+from polysketch.integrations.transformers import convert  # noqa: E402
+
+V = 64
+LENGTHS = (100, 70, 30)
+SETTINGS = [
+    ("psf_random", {}),
+    ("psf_learned", {}),
+    ("psf_mixed", {}),
+    ("polynomial", {}),
+    ("softmax", {}),
+    ("hedgehog", {}),
+    ("sliding_window", {"window": 24}),
+    ("hedgehog", {"mixed": True, "degree": 4}),
+    ("psf_learned", {"mixed": True}),
+    ("positive", {"mixed": True}),
+]
+IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in SETTINGS]
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # decisive argmax: greedy choices far from ties
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone() * 30)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, V, (n,), generator=g) for n in LENGTHS]
+    t = max(LENGTHS)
+    ids = torch.zeros(len(prompts), t, dtype=torch.long)
+    mask = torch.zeros(len(prompts), t, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, t - len(p) :], mask[b, t - len(p) :] = p, 1
+    return prompts, ids, mask
+
+
+@pytest.mark.parametrize("attention,kw", SETTINGS, ids=IDS)
+def test_left_padded_generate_equals_each_row_alone(attention, kw):
+    model = _llama()
+    convert(model, attention, chunk_size=64, **kw)
+    prompts, ids, mask = _batch()
+    gen = {"max_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, output_logits=True,
+                             return_dict_in_generate=True, **gen)  # fmt: skip
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   output_logits=True, return_dict_in_generate=True, **gen)  # fmt: skip
+            assert torch.equal(out.sequences[b, ids.shape[1] :], alone.sequences[0, len(p) :]), b
+            first, ref = out.logits[0][b], alone.logits[0][0]
+            assert (first - ref).abs().max() <= 1e-4 * ref.abs().max(), b
+
+
+@pytest.mark.parametrize("attention,kw", SETTINGS, ids=IDS)
+def test_left_padded_forward_equals_each_row_alone(attention, kw):
+    model = _llama()
+    convert(model, attention, chunk_size=64, **kw)
+    prompts, ids, mask = _batch()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # transformers' position ids for left padding
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        for b, p in enumerate(prompts):
+            ref = model(input_ids=p[None], use_cache=False).logits[0]
+            assert rel_err(got[b, ids.shape[1] - len(p) :], ref) < 1e-5, b
