@@ -63,8 +63,9 @@ def test_left_padded_generate_equals_each_row_alone(attention, kw):
         out = model.generate(ids, attention_mask=mask, output_logits=True,
                              return_dict_in_generate=True, **gen)  # fmt: skip
         for b, p in enumerate(prompts):
-            alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   output_logits=True, return_dict_in_generate=True, **gen)  # fmt: skip
+            ones = torch.ones(1, len(p), dtype=torch.long)
+            alone = model.generate(p[None], attention_mask=ones, output_logits=True,
+                                   return_dict_in_generate=True, **gen)  # fmt: skip
             assert torch.equal(out.sequences[b, ids.shape[1] :], alone.sequences[0, len(p) :]), b
             first, ref = out.logits[0][b], alone.logits[0][0]
             assert (first - ref).abs().max() <= 1e-4 * ref.abs().max(), b

@@ -112,8 +112,13 @@ V = 23
 
 @pytest.mark.parametrize(
     "attention,kw",
-    [("psf_mixed", {}), ("psf_random", {}), ("softmax", {}), ("hedgehog", {"mixed": True}),
-     ("sliding_window", {"window": 4})],  # fmt: skip
+    [
+        ("psf_mixed", {}),
+        ("psf_random", {}),
+        ("softmax", {}),
+        ("hedgehog", {"mixed": True}),
+        ("sliding_window", {"window": 4}),
+    ],  # fmt: skip
 )
 def test_left_padded_generate_equals_each_row_alone(attention, kw):
     cfg = TransformerConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=16, attention=attention,
