@@ -257,7 +257,18 @@ def _model_softmax(module: nn.Module):
             f"{type(module).__name__} soft-caps its logits but its modeling file has no "
             "eager_attention_forward to compute them exactly"
         )
-    return eager
+
+    def softcapped(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is None:  # the sdpa builder's "causal" (SDPA's is_causal)
+            tq, tk = query.shape[-2], key.shape[-2]
+            i = torch.arange(tq, device=query.device)[:, None] + (tk - tq)
+            attention_mask = (torch.arange(tk, device=query.device)[None, :] <= i)[None, None]
+        if attention_mask.dtype == torch.bool:  # eager adds its mask to the scores
+            low = torch.finfo(query.dtype).min
+            attention_mask = torch.where(attention_mask, 0.0, low).to(query.dtype)
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    return softcapped
 
 
 def register() -> None:
