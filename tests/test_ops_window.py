@@ -1,0 +1,94 @@
+"""Sliding-window attention (``ops.window``): the O(T·w) block algorithm against the quadratic
+reference, outputs and gradients in fp64, awkward lengths, key padding, both kernels."""
+
+import pytest
+import torch
+
+from conftest import rel_err, seeded
+from polysketch.ops import (
+    naive_window_attention,
+    polynomial_attention,
+    softmax_attention,
+    window_attention,
+)
+
+
+def _qkv(t, *, b=2, h=3, d=5, e=4, seed=0, scale=1.0):
+    g = seeded(seed)
+    q, k = (scale * torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(b, h, t, e, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("t", [1, 2, 6, 7, 8, 97])
+@pytest.mark.parametrize("window", [1, 3, 7, 200])
+@pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
+def test_blocks_equal_the_reference_outputs_and_gradients(t, window, kernel):
+    q, k, v = (x.requires_grad_() for x in _qkv(t, scale=0.7))
+    kw = {"window": window, "kernel": kernel, "degree": 4, "denominator_offset": 1.0}
+    ours, ref = window_attention(q, k, v, **kw), naive_window_attention(q, k, v, **kw)
+    assert rel_err(ours, ref) <= 1e-10
+    w = torch.randn_like(ref)
+    g1 = torch.autograd.grad((ours * w).sum(), (q, k, v))
+    g2 = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    # all gradients together (w = 1 softmax: dq = dk = 0 up to the reference's rounding)
+    assert (
+        rel_err(torch.cat([g.flatten() for g in g1]), torch.cat([g.flatten() for g in g2])) <= 1e-10
+    )
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
+def test_key_padding_and_nonfinite_padded_keys(kernel):
+    q, k, v = (x.requires_grad_() for x in _qkv(23, seed=1))
+    keep = torch.rand(2, 1, 23, generator=seeded(2)) > 0.3
+    k2, v2 = (torch.where(keep[..., None], x, float("nan")) for x in (k, v))
+    kw = {"window": 5, "kernel": kernel, "key_padding_mask": keep, "denominator_offset": 1.0}
+    ours, ref = window_attention(q, k2, v2, **kw), naive_window_attention(q, k, v, **kw)
+    assert rel_err(ours, ref) <= 1e-10 and torch.isfinite(ours).all()
+    (gq,) = torch.autograd.grad(ours.sum(), q)
+    assert torch.isfinite(gq).all()
+
+
+def test_the_band_is_the_last_w_keys():
+    """Each row equals the exact attention over its own last w keys (itself included)."""
+    q, k, v = _qkv(19, seed=3)
+    w = 4
+    sm = window_attention(q, k, v, window=w)
+    poly = window_attention(q, k, v, window=w, kernel="polynomial", denominator_offset=1.0)
+    for i in range(19):
+        lo = max(0, i - w + 1)
+        sl = slice(lo, i + 1)
+        ref = softmax_attention(q[..., i : i + 1, :], k[..., sl, :], v[..., sl, :], causal=False)
+        assert rel_err(sm[..., i : i + 1, :], ref) <= 1e-12
+        ref = polynomial_attention(q[..., i : i + 1, :], k[..., sl, :], v[..., sl, :], degree=4,
+                                   causal=False, denominator_offset=1.0)  # fmt: skip
+        assert rel_err(poly[..., i : i + 1, :], ref) <= 1e-12
+    # a window covering the sequence is plain causal attention
+    assert (
+        rel_err(window_attention(q, k, v, window=19), softmax_attention(q, k, v, causal=True))
+        < 1e-12
+    )
+
+
+def test_causal_and_bf16():
+    q, k, v = _qkv(40, seed=4)
+    out = window_attention(q, k, v, window=6)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 30:, :] *= 100
+    v2[..., 30:, :] = 7.0
+    assert torch.equal(window_attention(q, k2, v2, window=6)[..., :30, :], out[..., :30, :])
+    half = window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=6)
+    same = naive_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=6)
+    assert half.dtype == torch.bfloat16 and rel_err(half.double(), same.double()) < 1e-2
+
+
+def test_bad_arguments_name_themselves():
+    q, k, v = _qkv(5)
+    with pytest.raises(ValueError, match="window"):
+        window_attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="kernel"):
+        window_attention(q, k, v, window=2, kernel="relu")
+    with pytest.raises(ValueError, match="same length"):
+        window_attention(q[..., :3, :], k, v, window=2)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        window_attention(q, k, v, window=2, key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
