@@ -141,3 +141,70 @@ def test_seed_beyond_64_bits_and_deterministic_maps_get_a_seed():
     a, b = MultiHeadFeatureMap("taylor", D, H, seed=1), MultiHeadFeatureMap("taylor", D, H, seed=2)
     x = torch.randn(2, H, 3, D)
     assert torch.equal(a.query(x), b.query(x))
+
+
+BATCHED = [
+    ("polysketch", {"nonnegative": True}),  # the psf presets' sketch (degree 2, Gaussian)
+    ("polysketch", {"degree": 1}),
+    ("polysketch", {"degree": 3}),  # e1 leaves complete the tree
+    ("polysketch", {"degree": 4, "num_features": 8, "output_scale": 0.3}),
+    ("polysketch", {"projection": "product", "degree": 3}),
+    ("hedgehog", {}),
+    ("hedgehog", {"shared": True, "num_features": 5, "output_scale": 2.0}),
+]
+
+
+@pytest.mark.parametrize("name,kw", BATCHED, ids=[c[0] + str(i) for i, c in enumerate(BATCHED)])
+def test_batched_heads_form_equals_the_vmapped_map(name, kw):
+    """nn.heads_batched: all heads by batched matmuls, no vmap: the same values, gradients."""
+    mh = MultiHeadFeatureMap(name, D, H, seed=3, layer_index=1, **kw).double()
+    assert mh._batched is not None
+    x = torch.randn(2, 4, H, 5, D, dtype=torch.float64, requires_grad=True)  # extra lead dim
+    for role in ("query", "key", "query_stabilized"):
+        fast = getattr(mh, role)(x)
+        mh.use_batched = False
+        try:
+            slow = getattr(mh, role)(x)
+        finally:
+            mh.use_batched = True
+        assert fast.shape == slow.shape and fast.dtype == slow.dtype
+        assert (fast - slow).abs().max() <= 1e-13 * slow.abs().max()
+        w = torch.randn_like(fast)
+        params = [x, *mh.parameters()]
+        g1 = torch.autograd.grad((fast * w).sum(), params, allow_unused=True)
+        g2 = torch.autograd.grad((slow * w).sum(), params, allow_unused=True)
+        for a, b in zip(g1, g2, strict=True):  # None: a key weight in a query call
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a - b).abs().max() <= 1e-12 * b.abs().max().clamp_min(1e-300)
+    x32 = x.detach().float()
+    mh32 = mh.float()
+    with torch.no_grad():
+        fast = mh32.query(x32)
+        mh32.use_batched = False
+        slow = mh32.query(x32)
+    assert fast.dtype == torch.float32 and (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
+
+
+def test_batched_sketch_follows_redraws_and_moves():
+    """The composed sketch matrices kept between decoding calls are rebuilt when the buffers
+    change (redraw, load_state_dict, .to()) and never leak into autograd."""
+    mh = MultiHeadFeatureMap("polysketch", D, H, seed=0, nonnegative=True)
+    x = torch.randn(1, H, 1, D)
+    with torch.inference_mode():
+        before = mh.query(x)
+        assert torch.equal(mh.query(x), before)  # from the kept matrices
+        mh.redraw_(torch.Generator().manual_seed(9))
+        after = mh.query(x)
+    assert not torch.allclose(after, before)
+    mh.use_batched = False
+    assert torch.allclose(mh.query(x), after, rtol=1e-5, atol=1e-6)
+    mh.use_batched = True
+    other = MultiHeadFeatureMap("polysketch", D, H, seed=4, nonnegative=True)
+    with torch.no_grad():
+        mh.load_state_dict(other.state_dict())
+        assert torch.allclose(mh.query(x), other.query(x), rtol=1e-6)
+        assert torch.allclose(mh.double().query(x.double()), other.double().query(x.double()))
+    y = x.requires_grad_()
+    (g,) = torch.autograd.grad(mh.float().query(y).sum(), y)  # after inference-mode calls
+    assert torch.isfinite(g).all()

@@ -168,7 +168,7 @@ class KernelAttention(AttentionCore):
         if cache is not None:
             if not self.causal:
                 raise ValueError("cache needs causal=True")
-            expected = type(self.new_cache())
+            expected = self.cache_type
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache())")
 
@@ -201,14 +201,14 @@ class KernelAttention(AttentionCore):
         if keep is None and per_row is None:
             if cache is not None:
                 self._advance_positions(keep, cache, q.shape[-2])
-            return self.rotary(q, start), self.rotary(k, start)
+            return self.rotary.rotate(q, k, offset=start)
         if keep is None:
             pos = per_row[:, None] + torch.arange(q.shape[-2], device=q.device)
         else:
             pos = real_positions(keep, start if per_row is None else per_row)
         if cache is not None:
             self._advance_positions(keep, cache, q.shape[-2])
-        return self.rotary(q, positions=pos), self.rotary(k, positions=pos)
+        return self.rotary.rotate(q, k, positions=pos)
 
     @staticmethod
     def _advance_positions(keep, cache, t: int) -> None:

@@ -165,6 +165,11 @@ class AttentionCore(nn.Module):
             self.log_balance = nn.Parameter(torch.full((self.num_heads,), beta))
 
     # ----- decoding state --------------------------------------------------------------------
+    @property
+    def cache_type(self) -> type:
+        """The class of ``new_cache()``'s caches."""
+        return _CACHE_TYPES[self.algorithm]
+
     def new_cache(self) -> RecurrentCache | KVCache | MixedCache | WindowCache:
         """An empty decode cache for this core (see ``polysketch.nn.cache``)."""
         if not self.causal:
@@ -399,6 +404,10 @@ class AttentionCore(nn.Module):
             f"layer_index={self.layer_index}"
             + (f", window={self.window}" if self.window is not None else "")
         )
+
+
+_CACHE_TYPES = {"linear": RecurrentCache, "mixed": MixedCache, "window": WindowCache,
+                "softmax": KVCache, "polynomial": KVCache}  # fmt: skip
 
 
 def working_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:

@@ -12,6 +12,10 @@ computed by ``torch.vmap`` over the head axis of ``torch.func.functional_call`` 
 map (no Python loop over heads). Trainable maps (``llops``, ``learned_polysketch``, trainable
 ``fpa`` / ``elementwise_power``) train through the stacked ``nn.Parameter``s.
 
+The common maps (``polysketch`` with Gaussian or product projections, ``hedgehog``) skip
+vmap: ``nn.heads_batched`` computes all heads as batched matmuls on the same stacked tensors
+(equal to the vmapped result; vmap's per-call dispatch dominated a decoding step).
+
 Maps that cannot be vmapped run a Python loop over per-head submodules instead
 (``LOOP_MAPS``, plus any map whose vmapped probe raises at construction):
 ``hybrid_clustered`` is one, because its buffers are created by a data-dependent ``fit``
@@ -26,10 +30,11 @@ import hashlib
 import torch
 from torch import nn
 
-from .._checks import check_int, check_positive_int, check_tensor
+from .._checks import check_int, check_positive_int, check_tensor, compute_dtype
 from ..features import create, get_class
 from ..features.base import FeatureMap
 from ..random import check_seed, make_generator
+from .heads_batched import batched_form
 
 __all__ = ["MultiHeadFeatureMap", "head_seed", "LOOP_MAPS"]
 
@@ -82,8 +87,12 @@ class MultiHeadFeatureMap(nn.Module):
     Attributes (from the head maps, which share them): ``feature_dim`` F, ``square``,
     ``state_dim`` (F² if square else F), ``nonnegative``, ``kind``, ``is_random``, ``family``,
     ``stable_query`` (``query_stabilized`` rescales query rows; see ``features.stability``
-    for when attention may use it); ``vectorized`` (False for the loop fallback).
+    for when attention may use it); ``vectorized`` (False for the loop fallback);
+    ``use_batched`` (True: the batched-heads form of ``nn.heads_batched`` where the map has
+    one; set False to force the vmapped path, e.g. to compare them).
     """
+
+    use_batched: bool = True
 
     def __init__(
         self,
@@ -137,6 +146,8 @@ class MultiHeadFeatureMap(nn.Module):
         # The template supplies the code; its own tensors are never used (not a submodule,
         # so it stays out of parameters(), state_dict() and .to()).
         self._template = (_Role(first),)
+        self._batched = batched_form(first)  # all heads without vmap (nn.heads_batched)
+        self._memo: dict = {}  # tensors the batched form derives from the buffers
 
     # ----- construction helpers ------------------------------------------------------------
     def _vmap_works(self, feature_map: FeatureMap) -> bool:
@@ -175,6 +186,16 @@ class MultiHeadFeatureMap(nn.Module):
             return torch.stack(outs, dim=-3)
         params, buffers = self._stacked()
         template = self._template[0]
+        if self._batched is not None and self.use_batched:
+            ref = next(iter(buffers.values()), None) if buffers else next(iter(params.values()))
+            if ref.device != x.device:
+                raise ValueError(
+                    f"x is on {x.device} but feature map {self.name!r} holds its tensors on "
+                    f"{ref.device}: move the map (.to({str(x.device)!r})) or the input"
+                )
+            work = x.to(compute_dtype(x.dtype))
+            out = self._batched(template.map, params, buffers, work, role, self._memo)
+            return out.to(x.dtype)
 
         def one_head(p, b, xh):
             return torch.func.functional_call(template, (p, b), (xh,), {"role": role})

@@ -75,10 +75,20 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """x (..., T, D) rotated at positions offset..offset+T−1, or at ``positions``: an
         integer (B, T) tensor for x of shape (B, H, T, D) (one position per row and token)."""
-        x = check_tensor(x, "x", min_dim=2, last_dim=self.head_dim)
+        return self.rotate(x, offset=offset, positions=positions)[0]
+
+    def rotate(
+        self, *xs: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Several tensors of one shape (e.g. q and k) rotated at the same positions, the
+        angles computed once (``forward``'s arguments)."""
+        xs = tuple(check_tensor(x, "x", min_dim=2, last_dim=self.head_dim) for x in xs)
+        x = xs[0]
+        if any(y.shape != x.shape or y.dtype != x.dtype for y in xs):
+            raise ValueError("rotate: every tensor must have the shape and dtype of the first")
         offset = check_int(offset, "offset", minimum=0)
         if self.head_dim < 2:
-            return x
+            return xs
         if positions is not None:
             if (
                 not isinstance(positions, torch.Tensor)
@@ -91,9 +101,10 @@ class RotaryEmbedding(nn.Module):
                     f"for x of shape (B, H, T, D), got {getattr(positions, 'shape', positions)}"
                 )
             cos, sin = self.angles_at(positions, dtype=x.dtype)
-            return apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1))
-        cos, sin = self.angles(x.shape[-2], offset, dtype=x.dtype, device=x.device)
-        return apply_rotary(x, cos, sin)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        else:
+            cos, sin = self.angles(x.shape[-2], offset, dtype=x.dtype, device=x.device)
+        return tuple(apply_rotary(y, cos, sin) for y in xs)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -1,0 +1,111 @@
+"""All heads at once without ``torch.vmap``: batched-heads forms of the common feature maps.
+
+``MultiHeadFeatureMap`` applies H independent maps by ``torch.vmap`` over
+``torch.func.functional_call``. That is general, but its dispatch costs about 0.4 ms per call
+on a CPU whatever the input size, which dominated one decoding step (issue 22, "Decoding
+speed": two calls per layer per token). For the maps used most, the same computation is
+written here directly on the head-stacked tensors (leading head axis H), as batched matmuls
+(``(..., H, T, D) @ (H, D, ·)``, broadcast over the heads), in the same order of operations as
+the map's own code:
+
+* ``polysketch`` with ``projection="gaussian"`` (the tree of Ahle et al., any degree; the
+  psf presets) or ``"product"``: ``PolySketch._sketch`` with a head axis;
+* ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale.
+
+``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
+as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
+in the map and a dict the owning ``MultiHeadFeatureMap`` keeps for derived tensors; x is
+already in the compute dtype, the result is cast back by the caller. Tests compare
+every form with the vmapped result (``tests/test_nn_heads.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..features.base import FeatureMap
+from ..features.hedgehog import HedgehogFeatureMap
+from ..features.polysketch import PolySketch
+
+__all__ = ["batched_form"]
+
+
+def _polysketch(template: PolySketch, params, buffers, x, role, memo):
+    """``PolySketch._sketch`` (then × output_scale) for head-stacked buffers; x (..., H, T, D)."""
+    p, r, leaves = template.degree, template.num_features, template.num_leaves
+    scale = 1.0 / math.sqrt(r)
+    if template.projection == "product":  # √(1/r) ∘_i (x G_i)
+        g = buffers["map.product_gaussian"].to(x.dtype)  # (H, p, D, r)
+        h, d = g.shape[0], g.shape[2]
+        y = x @ g.transpose(1, 2).reshape(h, d, p * r)  # (..., H, T, D) @ (H, D, p·r)
+        y = y.unflatten(-1, (p, r))
+        z = y[..., 0, :] * scale
+        for i in range(1, p):
+            z = z * y[..., i, :]
+    else:
+        w_leaf = buffers["map.leaf_gaussian"].to(x.dtype)  # (H, L, D, r)
+        w_node = buffers["map.node_gaussian"].to(x.dtype)  # (H, L - 1, 2, r, r)
+        h, d = w_leaf.shape[0], w_leaf.shape[2]
+        if leaves == 1:
+            return (x @ w_leaf[:, 0]) * scale
+        count = leaves // 2
+        composed, real = _composed(memo, buffers, w_leaf, w_node, p, count)
+        y = x @ real  # (..., H, T, p·r): the children that are leaves of x
+        if leaves > p:  # e1 leaves: constant rows, the same for every x
+            const = composed[:, p:, 0, :].reshape(h, 1, (leaves - p) * r)
+            y = torch.cat([y, const.expand(*y.shape[:-1], -1)], dim=-1)
+        y = y.unflatten(-1, (count, 2, r))
+        z = y[..., 0, :] * y[..., 1, :] * scale**3  # (..., H, T, count, r): level 1
+        offset = count
+        while count > 1:  # one batched GEMM per further level
+            count //= 2
+            w = w_node[:, offset : offset + count].reshape(h, 2 * count, r, r)
+            offset += count
+            y = torch.einsum("...htir,hirs->...htis", z, w).unflatten(-2, (count, 2))
+            z = y[..., 0, :] * y[..., 1, :] * scale
+        z = z[..., 0, :]
+    return z if template.output_scale == 1.0 else z * template.output_scale
+
+
+def _composed(memo, buffers, w_leaf, w_node, p, count):
+    """(W_leaf G (H, L, D, r), its first p leaves as (H, D, p·r)); without gradients, kept in
+    ``memo`` (the owning map's) for as long as the buffers are the same tensors at the same
+    version (a redraw, ``load_state_dict`` or ``.to()`` makes them anew), so decoding does
+    not recompose them at every token."""
+    src = (buffers["map.leaf_gaussian"], buffers["map.node_gaussian"])
+    key = (w_leaf.dtype, p, torch.is_inference_mode_enabled())
+    hit = memo.get(key)
+    if hit is not None and all(a is b and a._version == v for a, (b, v) in zip(src, hit[0])):
+        return hit[1]
+    h, r, d = w_leaf.shape[0], w_leaf.shape[-1], w_leaf.shape[2]
+    composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)  # (H, L, D, r)
+    real = composed[:, :p].transpose(1, 2).reshape(h, d, p * r)
+    if not torch.is_grad_enabled():
+        memo.clear()
+        memo[key] = (tuple((t, t._version) for t in src), (composed, real))
+    return composed, real
+
+
+def _hedgehog(template: HedgehogFeatureMap, params, buffers, x, role, memo):
+    """[softmax(u), softmax(−u)]·c with u = x W_h + b_h (the key weights for keys)."""
+    which = "k" if role == "key" and not template.shared else "q"
+    weight = params[f"map.weight_{which}"].to(x.dtype)  # (H, D, M)
+    bias = params[f"map.bias_{which}"].to(x.dtype)  # (H, M)
+    u = x @ weight + bias.unsqueeze(-2)  # (..., H, T, D) @ (H, D, M), batched over heads
+    phi = torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1).exp()
+    return phi * template.output_scale
+
+
+def batched_form(feature_map: FeatureMap) -> Callable | None:
+    """The batched-heads function for ``feature_map``'s kind and settings, or None."""
+    plain_query = type(feature_map)._query_stabilized is FeatureMap._query_stabilized
+    if not plain_query:  # query_stabilized differs from query: keep the map's own code
+        return None
+    if type(feature_map) is PolySketch and feature_map.projection in ("gaussian", "product"):
+        return _polysketch
+    if type(feature_map) is HedgehogFeatureMap:
+        return _hedgehog
+    return None
