@@ -94,8 +94,9 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {args.threads} thread(s), device {args.device}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     if "hf" in args.models:
-        rows = hf_rows(args.attentions, args.positions, tokens=args.tokens, warmup=args.warmup,
-                       repeats=args.repeats, device=args.device, chunk_size=args.chunk_size)  # fmt: skip
+        kw = {"tokens": args.tokens, "warmup": args.warmup, "repeats": args.repeats,
+              "device": args.device, "chunk_size": args.chunk_size}  # fmt: skip
+        rows = hf_rows(args.attentions, args.positions, **kw)
         print(format_decode_report(rows, "converted Llama 4 x 256 (GQA 4/2): decode ms/token"))
     if "lm" in args.models:
         config = DecodeBenchConfig(attentions=args.attentions, positions=args.positions,

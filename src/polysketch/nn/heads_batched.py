@@ -78,7 +78,9 @@ def _composed(memo, buffers, w_leaf, w_node, p, count):
     src = (buffers["map.leaf_gaussian"], buffers["map.node_gaussian"])
     key = (w_leaf.dtype, p, torch.is_inference_mode_enabled())
     hit = memo.get(key)
-    if hit is not None and all(a is b and a._version == v for a, (b, v) in zip(src, hit[0])):
+    if hit is not None and all(
+        a is b and a._version == v for a, (b, v) in zip(src, hit[0], strict=True)
+    ):
         return hit[1]
     h, r, d = w_leaf.shape[0], w_leaf.shape[-1], w_leaf.shape[2]
     composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)  # (H, L, D, r)
