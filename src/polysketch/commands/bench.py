@@ -6,9 +6,11 @@ attention (degree-2 sketch, r = 32, self-tensored: degree 4) and of a plain F = 
 matmul peak measured in the same run, peak memory, the per-token decode time vs position and
 the crossover length. ``--mode train`` times forward + backward instead, ``--dtype bf16``
 feeds half inputs (FlashAttention on CUDA), ``--device cuda`` measures peak memory, and
-``--model`` times whole TransformerLM training steps. Writes ``results.csv`` and
-``bench.png`` (``--model``: ``model_results.csv``, ``model_bench.png``) into ``--out``; a
-non-empty ``--out`` is refused unless ``--overwrite``. See ``polysketch.eval.bench`` for the
+``--model`` times whole TransformerLM training steps, ``--decode`` whole-model greedy decoding
+ms/token vs position (``polysketch.eval.bench_decode``). Writes ``results.csv`` and
+``bench.png`` (``--model``: ``model_results.csv``, ``model_bench.png``; ``--decode``:
+``decode_results.csv``) into ``--out``; a non-empty ``--out`` is refused unless
+``--overwrite``. See ``polysketch.eval.bench`` for the
 FLOP and memory formulas.
 """
 
@@ -92,6 +94,12 @@ def add_arguments(parser) -> None:
         "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
         help="with --model: torch.compile the models (backend inductor when given alone)",
     )  # fmt: skip
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="TransformerLM greedy decoding ms/token vs position (--decode-positions; default "
+        "2k,16k; --quick: 256,1k): softmax's KV cache vs psf_random, psf_mixed, hedgehog "
+        "states; see polysketch.eval.bench_decode",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
         "--default-malloc",
@@ -108,13 +116,15 @@ def run_from_args(args) -> int:
     cannot use here, a refused ``--out`` (non-empty without ``--overwrite``, a file,
     unwritable) or a failed write return 2 with an ``error:`` line.
     """
-    config = None if args.model else _config(args)
+    config = None if args.model or args.decode else _config(args)
     try:
         check_device(args.device)
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
     except ValueError as err:
         return fail("bench", err)
     try:
+        if args.decode:
+            return _run_decode(args, out)
         if args.model:
             return run_model_bench(args)
         result = run_benchmark(config)
@@ -124,6 +134,32 @@ def run_from_args(args) -> int:
         return fail("bench", io_error(err, out))
     print(format_report(result))
     print(f"\nwrote {csv_path} and {png_path}")
+    return 0
+
+
+def _run_decode(args, out) -> int:
+    """``--decode``: time whole-model decoding, print the table, write decode_results.csv."""
+    import torch
+
+    from ..eval.bench_decode import (
+        DecodeBenchConfig,
+        format_decode_report,
+        run_decode_benchmark,
+        write_decode_csv,
+    )
+
+    if args.threads is not None:
+        torch.set_num_threads(check_positive_int(args.threads, "threads"))
+    positions = (256, 1024) if args.quick else (2048, 16384)
+    if args.decode_positions:
+        positions = parse_lengths(args.decode_positions)
+    config = DecodeBenchConfig(positions=positions, device=args.device, seed=args.seed,
+                               tokens=8 if args.quick else 32,
+                               repeats=1 if args.quick else 3)  # fmt: skip
+    rows = run_decode_benchmark(config)
+    path = write_decode_csv(rows, out / "decode_results.csv")
+    print(format_decode_report(rows, f"TransformerLM 4 x 256 on {args.device}: decode ms/token"))
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -16,6 +16,8 @@ device synchronised (CUDA) before and after; ``torch.inference_mode``.
 
 from __future__ import annotations
 
+import csv
+import io
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +28,7 @@ import torch
 from .._checks import check_int, check_positive_int
 
 __all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode",
-           "run_decode_benchmark", "format_decode_report"]  # fmt: skip
+           "run_decode_benchmark", "format_decode_report", "write_decode_csv"]  # fmt: skip
 
 DECODE_ATTENTIONS = ("softmax", "psf_random", "psf_mixed", "hedgehog")
 DECODE_FIELDS = ("attention", "position", "ms_per_token", "x_softmax", "runs_ms")
@@ -155,3 +157,16 @@ def format_decode_report(rows: list[dict], title: str = "decode ms/token") -> st
         lines.append(f"{attention:<14}" + "".join(cells))
     lines.append("(x sm: softmax's ms/token / this one's, measured in the same run; > 1 = faster)")
     return "\n".join(lines)
+
+
+def write_decode_csv(rows: list[dict], path) -> object:
+    """Write the rows (``DECODE_FIELDS``) to ``path`` atomically; returns the path."""
+    from .._files import atomic_write
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=DECODE_FIELDS)
+    writer.writeheader()
+    for r in rows:
+        cells = dict(r, runs_ms=" ".join(f"{x:.4g}" for x in r["runs_ms"]))
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in cells.items()})
+    return atomic_write(path, buf.getvalue().encode())

@@ -75,6 +75,10 @@ def _composed(memo, buffers, w_leaf, w_node, p, count):
     ``memo`` (the owning map's) for as long as the buffers are the same tensors at the same
     version (a redraw, ``load_state_dict`` or ``.to()`` makes them anew), so decoding does
     not recompose them at every token."""
+    h, r, d = w_leaf.shape[0], w_leaf.shape[-1], w_leaf.shape[2]
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():  # nothing kept: compose
+        composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)
+        return composed, composed[:, :p].transpose(1, 2).reshape(h, d, p * r)
     src = (buffers["map.leaf_gaussian"], buffers["map.node_gaussian"])
     key = (w_leaf.dtype, p, torch.is_inference_mode_enabled())
     hit = memo.get(key)
@@ -82,12 +86,10 @@ def _composed(memo, buffers, w_leaf, w_node, p, count):
         a is b and a._version == v for a, (b, v) in zip(src, hit[0], strict=True)
     ):
         return hit[1]
-    h, r, d = w_leaf.shape[0], w_leaf.shape[-1], w_leaf.shape[2]
     composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)  # (H, L, D, r)
     real = composed[:, :p].transpose(1, 2).reshape(h, d, p * r)
-    if not torch.is_grad_enabled():
-        memo.clear()
-        memo[key] = (tuple((t, t._version) for t in src), (composed, real))
+    memo.clear()
+    memo[key] = (tuple((t, t._version) for t in src), (composed, real))
     return composed, real
 
 

@@ -47,27 +47,40 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = check_positive_int(head_dim, "head_dim")
         self.base = check_float(base, "base", minimum=1.0, strict_minimum=True)
+        self._inv_freq: dict = {}  # θ_i per device, in fp64 (fp32 on MPS); not model state
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """θ_i = base^{-2i/D'} (D'/2,) in fp64 (fp32 on MPS, which has no fp64), made once per
+        device (decoding calls RoPE at every token)."""
+        device = torch.device(device)
+        half = self.head_dim // 2
+        exact = torch.float32 if device.type == "mps" else torch.float64
+
+        def make():
+            steps = torch.arange(half, device=device, dtype=exact) * (2.0 / max(2 * half, 1))
+            return self.base**-steps
+
+        if torch.compiler.is_compiling():  # traced once into the graph: nothing to keep
+            return make()
+        found = self._inv_freq.get(device)
+        if found is None:
+            with torch.inference_mode(False):  # a plain tensor, usable in every mode
+                found = self._inv_freq[device] = make()
+        return found
 
     def angles(self, length: int, offset: int, *, dtype: torch.dtype, device) -> tuple:
         """cos, sin of t·θ_i for t = offset..offset+length−1: two (length, D'/2) tensors."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        half = self.head_dim // 2
-        exact = torch.float32 if torch.device(device).type == "mps" else torch.float64
-        f64 = {"device": device, "dtype": exact}  # MPS has no fp64
-        inv_freq = self.base ** -(torch.arange(half, **f64) * (2.0 / max(2 * half, 1)))
-        pos = torch.arange(offset, offset + length, **f64)
+        inv_freq = self.inv_freq(device)
+        pos = torch.arange(offset, offset + length, device=inv_freq.device, dtype=inv_freq.dtype)
         ang = (pos[:, None] * inv_freq).to(work)
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def angles_at(self, positions: torch.Tensor, *, dtype: torch.dtype) -> tuple:
         """cos, sin of t·θ_i for the integer ``positions`` (..., T): two (..., T, D'/2) tensors."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        half, device = self.head_dim // 2, positions.device
-        exact = torch.float32 if device.type == "mps" else torch.float64
-        inv_freq = self.base ** -(
-            torch.arange(half, device=device, dtype=exact) * (2.0 / max(2 * half, 1))
-        )
-        ang = (positions.to(exact).unsqueeze(-1) * inv_freq).to(work)
+        inv_freq = self.inv_freq(positions.device)
+        ang = (positions.to(inv_freq.dtype).unsqueeze(-1) * inv_freq).to(work)
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(
@@ -104,7 +117,9 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             cos, sin = self.angles(x.shape[-2], offset, dtype=x.dtype, device=x.device)
-        return tuple(apply_rotary(y, cos, sin) for y in xs)
+        if len(xs) == 1:
+            return (apply_rotary(x, cos, sin),)
+        return apply_rotary(torch.stack(xs), cos, sin).unbind(0)  # one pass for all
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"
