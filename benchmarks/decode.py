@@ -5,7 +5,8 @@ median of 3 runs, on a 4 × 256 Llama (4 query heads, 2 key/value heads, head di
 TransformerLM of the same size, at prompt lengths 2048 and 16384. Targets: converted-model
 decode <= the softmax original's time per token at 2048, and >= 2x faster at 16k; the same
 for TransformerLM.generate. Each row prints ms/token and the ratio to softmax measured in
-the same run (> 1: faster than softmax).
+the same run (> 1: faster than softmax); the attentions take turns within each of the 3
+rounds, so a machine whose load drifts slows them alike.
 
     python benchmarks/decode.py                       # both, P = 2048 and 16384, 1 thread
     python benchmarks/decode.py --positions 2048 --models lm --threads 1
@@ -25,6 +26,7 @@ from polysketch.eval.bench_decode import (
     DECODE_ATTENTIONS,
     DecodeBenchConfig,
     format_decode_report,
+    rows_of,
     run_decode_benchmark,
     time_decode,
 )
@@ -47,35 +49,40 @@ def hf_rows(attentions, positions, *, tokens, warmup, repeats, device, chunk_siz
 
     from polysketch.integrations.transformers import PolysketchCache, convert
 
-    rows = []
+    models = {}
     for attention in attentions:
-        model = _llama(device)
+        models[attention] = _llama(device)
         if attention != "softmax":
-            convert(model, attention, chunk_size=chunk_size)
-        for position in positions:
-            gen = torch.Generator().manual_seed(position)
-            prompt = torch.randint(0, 256, (1, position), generator=gen).to(device)
+            convert(models[attention], attention, chunk_size=chunk_size)
 
-            def prefill(model=model, prompt=prompt, attention=attention):
-                cache = (transformers.DynamicCache() if attention == "softmax"
-                         else PolysketchCache(model))  # fmt: skip
-                logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
-                return cache, logits[:, -1:].argmax(-1)
+    def step(state, model):
+        cache, token = state
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        return cache, logits[:, -1:].argmax(-1)
 
-            def step(state, model=model):
-                cache, token = state
-                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
-                return cache, logits[:, -1:].argmax(-1)
+    measured = {}
+    for position in positions:
+        gen = torch.Generator().manual_seed(position)
+        prompt = torch.randint(0, 256, (1, position), generator=gen).to(device)
 
-            ms, runs = time_decode(prefill, step, tokens=tokens, warmup=warmup, repeats=repeats,
-                                   device=device)  # fmt: skip
-            rows.append({"attention": attention, "position": position, "ms_per_token": ms,
-                         "runs_ms": runs})  # fmt: skip
-            print(f"  hf {attention} P={position}: {ms:.2f} ms/token", file=sys.stderr)
-    base = {r["position"]: r["ms_per_token"] for r in rows if r["attention"] == "softmax"}
-    for r in rows:
-        r["x_softmax"] = base[r["position"]] / r["ms_per_token"] if r["position"] in base else None
-    return rows
+        def prefill(model, attention, prompt=prompt):
+            cache = (transformers.DynamicCache() if attention == "softmax"
+                     else PolysketchCache(model))  # fmt: skip
+            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+            return cache, logits[:, -1:].argmax(-1)
+
+        cases = {a: (lambda m=m, a=a: prefill(m, a), lambda s, m=m: step(s, m))
+                 for a, m in models.items()}  # fmt: skip
+        measured[position] = time_decode(cases, tokens=tokens, warmup=warmup, repeats=repeats,
+                                         device=device)  # fmt: skip
+        _progress("hf", position, measured[position])
+    return rows_of(measured)
+
+
+def _progress(kind, position, runs):
+    for attention, values in runs.items():
+        text = " ".join(f"{v:.2f}" for v in values)
+        print(f"  {kind} {attention} P={position}: {text} ms/token", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", choices=["hf", "lm"], default=["hf", "lm"])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (median reported)")
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
@@ -103,11 +110,7 @@ def main(argv=None) -> int:
                                    tokens=args.tokens, warmup=args.warmup, repeats=args.repeats,
                                    chunk_size=args.chunk_size, device=args.device)  # fmt: skip
 
-        def progress(r):
-            print(f"  lm {r['attention']} P={r['position']}: {r['ms_per_token']:.2f} ms/token",
-                  file=sys.stderr)  # fmt: skip
-
-        rows = run_decode_benchmark(config, progress)
+        rows = run_decode_benchmark(config, lambda p, runs: _progress("lm", p, runs))
         print(format_decode_report(rows, "TransformerLM 4 x 256: decode ms/token"))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0

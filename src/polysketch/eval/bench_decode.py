@@ -3,8 +3,9 @@
 For each attention and each prompt length P, a ``TransformerLM`` (default 4 layers × 256,
 4 heads of 64, the sizes of issue 22's "Decoding speed") is prefilled with P random tokens
 into its caches; then ``tokens`` greedy steps (one token in, argmax out, the caches updated
-in place) are timed after ``warmup`` untimed steps, ``repeats`` times from a fresh prefill;
-the median ms/token is reported, with its ratio to softmax (KV cache) at the same P. Softmax
+in place) are timed after ``warmup`` untimed steps, ``repeats`` times from a fresh prefill,
+the attentions taking turns within each round (so a machine whose load drifts slows them
+alike); the median ms/token is reported, with its ratio to softmax (KV cache) at the same P. Softmax
 decodes from a KV cache that grows with P; linear attentions (``psf_random``, ``hedgehog``)
 from a constant-size state by one fused ``ops.linear_attention_step`` per layer; mixed
 attention (``psf_mixed``) from the state of the completed blocks plus the current block.
@@ -27,7 +28,7 @@ import torch
 
 from .._checks import check_int, check_positive_int
 
-__all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode",
+__all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode", "rows_of",
            "run_decode_benchmark", "format_decode_report", "write_decode_csv"]  # fmt: skip
 
 DECODE_ATTENTIONS = ("softmax", "psf_random", "psf_mixed", "hedgehog")
@@ -67,34 +68,49 @@ def _sync(device: torch.device) -> None:
 
 
 def time_decode(
-    prefill: Callable[[], object],
-    step: Callable[[object], object],
+    cases: dict[str, tuple[Callable[[], object], Callable[[object], object]]],
     *,
     tokens: int,
     warmup: int,
     repeats: int,
     device: torch.device | str = "cpu",
-) -> tuple[float, list[float]]:
-    """(median ms/token, the ``repeats`` ms/token) of ``step`` after ``prefill``.
+) -> dict[str, list[float]]:
+    """ms/token of each case's decoding: {name: ``repeats`` values}.
 
-    ``prefill()`` returns a decoding state (caches and the next token); ``step(state)``
-    consumes one token and returns the next state. Each repeat prefills afresh, runs
-    ``warmup`` steps, then times ``tokens`` steps.
+    ``cases``: name -> (``prefill()`` returning a decoding state (caches and the next token),
+    ``step(state)`` consuming one token and returning the next state). In each of ``repeats``
+    rounds every case in turn prefills afresh, runs ``warmup`` steps, then times ``tokens``.
     """
     device = torch.device(device)
-    runs = []
+    runs: dict[str, list[float]] = {name: [] for name in cases}
     with torch.inference_mode():
         for _ in range(repeats):
-            state = prefill()
-            for _ in range(warmup):
-                state = step(state)
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(tokens):
-                state = step(state)
-            _sync(device)
-            runs.append((time.perf_counter() - start) / tokens * 1e3)
-    return statistics.median(runs), runs
+            for name, (prefill, step) in cases.items():
+                state = prefill()
+                for _ in range(warmup):
+                    state = step(state)
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(tokens):
+                    state = step(state)
+                _sync(device)
+                runs[name].append((time.perf_counter() - start) / tokens * 1e3)
+    return runs
+
+
+def rows_of(runs_by_position: dict[int, dict[str, list[float]]]) -> list[dict]:
+    """Report rows (``DECODE_FIELDS``) from {position: {attention: ms/token runs}}."""
+    rows = []
+    for position, runs in runs_by_position.items():
+        base = statistics.median(runs["softmax"]) if "softmax" in runs else None
+        for attention, values in runs.items():
+            ms = statistics.median(values)
+            rows.append({"attention": attention, "position": position, "ms_per_token": ms,
+                         "x_softmax": None if base is None else base / ms,
+                         "runs_ms": values})  # fmt: skip
+    rows.sort(key=lambda r: (list(runs_by_position[r["position"]]).index(r["attention"]),
+                             r["position"]))  # fmt: skip
+    return rows
 
 
 def _model(config: DecodeBenchConfig, attention: str):
@@ -111,33 +127,30 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress=None) -> list[dict]
     """One row per (attention, position): ``DECODE_FIELDS`` (module docstring)."""
     config.validate()
     device = torch.device(config.device)
-    rows = []
-    for attention in config.attentions:
-        model = _model(config, attention)
-        for position in config.positions:
-            gen = torch.Generator().manual_seed(config.seed + position)
-            prompt = torch.randint(0, config.vocab_size, (1, position), generator=gen).to(device)
+    models = {attention: _model(config, attention) for attention in config.attentions}
 
-            def prefill(model=model, prompt=prompt):
-                caches = model.new_caches()
-                logits, _ = model(prompt, caches=caches)
-                return caches, logits[:, -1:].argmax(-1)
+    def step(state, model):
+        caches, token = state
+        logits, _ = model(token, caches=caches)
+        return caches, logits[:, -1:].argmax(-1)
 
-            def step(state, model=model):
-                caches, token = state
-                logits, _ = model(token, caches=caches)
-                return caches, logits[:, -1:].argmax(-1)
+    measured = {}
+    for position in config.positions:
+        gen = torch.Generator().manual_seed(config.seed + position)
+        prompt = torch.randint(0, config.vocab_size, (1, position), generator=gen).to(device)
 
-            ms, runs = time_decode(prefill, step, tokens=config.tokens, warmup=config.warmup,
-                                   repeats=config.repeats, device=device)  # fmt: skip
-            rows.append({"attention": attention, "position": position, "ms_per_token": ms,
-                         "runs_ms": runs})  # fmt: skip
-            if progress is not None:
-                progress(rows[-1])
-    base = {r["position"]: r["ms_per_token"] for r in rows if r["attention"] == "softmax"}
-    for r in rows:
-        r["x_softmax"] = base[r["position"]] / r["ms_per_token"] if r["position"] in base else None
-    return rows
+        def prefill(model, prompt=prompt):
+            caches = model.new_caches()
+            logits, _ = model(prompt, caches=caches)
+            return caches, logits[:, -1:].argmax(-1)
+
+        cases = {name: (lambda m=m: prefill(m), lambda s, m=m: step(s, m))
+                 for name, m in models.items()}  # fmt: skip
+        measured[position] = time_decode(cases, tokens=config.tokens, warmup=config.warmup,
+                                         repeats=config.repeats, device=device)  # fmt: skip
+        if progress is not None:
+            progress(position, measured[position])
+    return rows_of(measured)
 
 
 def format_decode_report(rows: list[dict], title: str = "decode ms/token") -> str:
