@@ -212,3 +212,25 @@ def test_gemma2_softcapping_kept_in_softmax_mode_and_refused_or_dropped_in_linea
     with pytest.raises(ValueError, match="soft-caps"), torch.no_grad():
         linear(input_ids=x)
     assert gen.shape == (2, 10)
+
+
+def test_load_converted_keeps_the_window_policy(tmp_path):
+    from polysketch.integrations.transformers import load_converted, polysketch_settings
+
+    model = _model("mistral")
+    convert(model, "psf_random", chunk_size=8, sliding_window="full")
+    model.save_pretrained(tmp_path / "m")
+    loaded = load_converted(tmp_path / "m").eval()
+    assert polysketch_settings(loaded)["sliding_window"] == "full"
+    x = _ids(t=30)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+    # a model saved before the policy was recorded: the caller says it
+    import json
+
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["polysketch"]["sliding_window"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match='sliding_window="full"'):
+        load_converted(tmp_path / "m")
+    assert load_converted(tmp_path / "m", sliding_window="full") is not None

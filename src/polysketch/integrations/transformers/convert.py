@@ -333,7 +333,14 @@ def _from_pretrained_quietly(model_class, path: str, **kwargs):
     return model, info
 
 
-def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
+def load_converted(
+    path,
+    *,
+    model_class=None,
+    sliding_window: str | None = None,
+    softcap: str | None = None,
+    **from_pretrained_kwargs,
+) -> nn.Module:
     """Load a model saved after ``convert`` (``save_pretrained``) with its polysketch modules.
 
     transformers' ``from_pretrained`` builds the original architecture; this then
@@ -342,6 +349,8 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
     when they are all it lists (a report of anything else is shown). ``model_class`` defaults
     to ``AutoModelForCausalLM``; extra keywords go to ``from_pretrained``
     (``output_loading_info=True`` returns ``(model, loading_info)`` as there).
+    ``sliding_window`` / ``softcap``: the policies of ``convert`` for a model saved before they
+    were recorded (the saved ones win otherwise).
     """
     path = Path(path)
     if not path.is_dir():
@@ -365,8 +374,8 @@ def load_converted(path, *, model_class=None, **from_pretrained_kwargs) -> nn.Mo
         mixed=settings.get("mixed", False),
         learn_balance=settings.get("learn_balance", False),
         window=settings.get("window"),
-        sliding_window=settings.get("sliding_window", "refuse"),
-        softcap=settings.get("softcap", "refuse"),
+        sliding_window=settings.get("sliding_window", sliding_window or "refuse"),
+        softcap=settings.get("softcap", softcap or "refuse"),
         **settings["map_kwargs"],
     )
     tensors = _checkpoint_tensors(path)
