@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from polysketch.commands.generate import load_model
 from polysketch.data.corpus import load_corpus
 from polysketch.eval.plots import log_axes, save_png, subplots
 from polysketch.eval.quality_diagnosis import (
@@ -33,6 +32,7 @@ from polysketch.eval.quality_diagnosis import (
     swap_loss,
 )
 from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.train import load_model
 
 SKETCH = {"name": "polysketch", "nonnegative": True}
 VARIANTS = {

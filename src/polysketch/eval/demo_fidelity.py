@@ -34,13 +34,9 @@ def _trained_model(attention: str, args, state: dict):
     path = Path(args.out) / "runs" / attention / "ckpt.pt"
     if not path.is_file():
         return None, f"no trained `{attention}` model (run the quality section first)"
-    from ..nn import TransformerConfig, TransformerLM
-    from ..train import load_checkpoint
+    from ..train import load_model
 
-    ckpt = load_checkpoint(path, restore_rng=False)
-    model = TransformerLM(TransformerConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model, f"loaded from `{path}`"
+    return load_model(path, "cpu")[0], f"loaded from `{path}`"
 
 
 def _captured(model, args, sizes: DemoSizes, state: dict, seed: int):
