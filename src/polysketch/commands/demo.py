@@ -112,26 +112,24 @@ SECTION_FUNCS = {"quality": section_quality, "fidelity": section_fidelity, "spee
 
 
 def run(args) -> int:
-    """Run the chosen sections and write the report; 1 if a section failed (reported)."""
+    """Run the chosen sections and write the report; 1 if a section failed (reported), 2 (with
+    an ``error:`` line) for a bad option, ``--device`` or ``--out``."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        cuda = torch.device(args.device).type == "cuda"
-    except RuntimeError as err:
-        raise ValueError(
-            f"device must be a torch device such as cpu or cuda, got {args.device!r}"
-        ) from err
-    try:
         check_device(args.device)
+        cuda = torch.device(args.device).type == "cuda"
+        sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
+        if args.steps is not None:
+            sizes = replace(sizes, steps=check_positive_int(args.steps, "--steps"))
+        if args.threads is not None:
+            check_positive_int(args.threads, "--threads")
         _check_out(args)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         return fail("demo", err)
-    sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
-    if args.steps is not None:
-        sizes = replace(sizes, steps=check_positive_int(args.steps, "steps"))
     threads = torch.get_num_threads()
     if args.threads is not None:
-        torch.set_num_threads(check_positive_int(args.threads, "threads"))
+        torch.set_num_threads(args.threads)
     try:
         return _run(args, sizes)
     finally:
