@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from polysketch._checks import parse_key_values
 from polysketch.commands.linearize import linearize_saved, plot_results, write_csv, write_json
-from polysketch.commands.train import parse_map_kwargs
 from polysketch.data.corpus import load_corpus
 from polysketch.train.batches import CorpusBatches
 
@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     specs = [("softmax", {})] if args.control else []
     for item in args.attentions:
         name, _, kws = item.partition(":")
-        specs.append((name, parse_map_kwargs(kws.split(",") if kws else [])))
+        items = kws.split(",") if kws else []
+        specs.append((name, parse_key_values(items, f"--attentions {item!r}")))
     all_steps = budget // (args.batch_size * args.seq_len)
     rows = []
     for attention, map_kwargs in specs:

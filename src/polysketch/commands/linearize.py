@@ -23,10 +23,10 @@ import io
 import json
 from pathlib import Path
 
+from .._checks import parse_key_values
 from .._files import atomic_write, replace_dir
 from ..nn import valid_attentions
 from ._common import fail, io_error, prepare_out_dir
-from .train import parse_map_kwargs
 
 __all__ = ["add_parser", "run", "linearize_saved", "write_csv", "write_json", "plot_results"]
 
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        map_kwargs = parse_map_kwargs(args.map_kw)
+        map_kwargs = parse_key_values(args.map_kw, "--map-kw")
         if args.mixed:
             map_kwargs["mixed"] = True
         res = linearize_saved(
