@@ -47,7 +47,6 @@ class DemoSizes:
     fit_steps: int
     lengths: tuple[int, ...]
     min_time: float
-    max_repeats: int
     matmul_n: int
 
 
@@ -55,15 +54,14 @@ FULL = DemoSizes(
     n_layer=4, n_head=2, n_embd=64, block_size=128, batch_size=16, steps=600,
     eval_interval=50, eval_batches=8, lr=2e-3, warmup_steps=50, max_bytes=None,
     sample_tokens=240, capture_batch=8, num=256, feature_dims=(16, 32, 64, 128), trials=3,
-    fit_steps=200, lengths=(256, 512, 1024, 2048, 4096, 8192), min_time=0.2, max_repeats=10,
-    matmul_n=2048,
+    fit_steps=200, lengths=(256, 512, 1024, 2048, 4096, 8192), min_time=0.2, matmul_n=2048,
 )  # fmt: skip
 CUDA_FULL = DemoSizes(
     n_layer=6, n_head=6, n_embd=384, block_size=1024, batch_size=16, steps=600,
     eval_interval=100, eval_batches=8, lr=1e-3, warmup_steps=60, max_bytes=None,
     sample_tokens=400, capture_batch=8, num=256, feature_dims=(16, 32, 64, 128), trials=3,
     fit_steps=200, lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), min_time=0.2,
-    max_repeats=20, matmul_n=4096,
+    matmul_n=4096,
 )  # fmt: skip
 """On a CUDA device: the paper's head dim 64 (6 × 384, 6 heads) at context 1024 trained under
 bf16 autocast, and attention timed to 64k (forward, decode, and forward + backward)."""
@@ -71,7 +69,7 @@ QUICK = DemoSizes(
     n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=8, eval_interval=4,
     eval_batches=2, lr=3e-3, warmup_steps=2, max_bytes=200_000, sample_tokens=30,
     capture_batch=2, num=48, feature_dims=(8, 16), trials=1, fit_steps=5,
-    lengths=(64, 128, 256), min_time=0.0, max_repeats=1, matmul_n=256,
+    lengths=(64, 128, 256), min_time=0.0, matmul_n=256,
 )  # fmt: skip
 
 
@@ -204,7 +202,7 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
     cuda = torch.device(args.device).type == "cuda"
     config = BenchConfig(
         lengths=lengths, decode_positions=lengths, min_time=sizes.min_time, min_repeats=1,
-        max_repeats=sizes.max_repeats, matmul_n=sizes.matmul_n, threads=args.threads,
+        matmul_n=sizes.matmul_n, threads=args.threads,
         seed=args.seed, progress=not args.no_progress, device=args.device,
         dtype="bf16" if cuda else "fp32",
         # CPU keeps the demo's earlier methods and time budget; CUDA adds psf_mixed

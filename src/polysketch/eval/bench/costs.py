@@ -31,7 +31,7 @@ would exceed it (reported ``skipped (memory)``), whatever backend would have run
 
 from __future__ import annotations
 
-from ..ops.chunked import GROUP_BYTES, SYMMETRIC_MIN_LENGTH, _block_elements
+from ...ops.chunked import GROUP_BYTES, SYMMETRIC_MIN_LENGTH, _block_elements
 
 __all__ = ["chunked_flops", "sdpa_flops", "chunked_memory", "sdpa_memory"]
 
