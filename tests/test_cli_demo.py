@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from polysketch.cli import main
-from polysketch.eval.capture import attention_layers, capture_qk, head_samples, split_tokens
+from polysketch.eval.fidelity.capture import attention_layers, capture_qk, head_samples, split_tokens
 from polysketch.eval.report import Report, fmt, format_table
 from polysketch.nn import TransformerConfig, TransformerLM
 
