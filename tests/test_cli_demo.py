@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from polysketch.cli import main
-from polysketch.eval.fidelity.capture import attention_layers, capture_qk, head_samples, split_tokens
-from polysketch.eval.report import Report, fmt, format_table
+from polysketch.eval.demo.report import Report
+from polysketch.eval.fidelity.capture import (
+    attention_layers,
+    capture_qk,
+    head_samples,
+    split_tokens,
+)
+from polysketch.eval.tables import fmt, format_table
 from polysketch.nn import TransformerConfig, TransformerLM
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
