@@ -7,13 +7,14 @@ Usage: python benchmarks/quality_diagnosis.py --poly-ckpt RUN/polynomial/ckpt.pt
 The checkpoints come from ``benchmarks/quality.py --out RUN`` (``RUN/runs/LABEL/ckpt.pt``) or
 ``polysketch train``. Writes into ``--out``: ``quality_diagnosis.md`` (all tables),
 ``quality_diagnosis_*.csv`` and ``quality_diagnosis.png``; see
-``polysketch.eval.quality_diagnosis`` for what each number is. A few minutes on one core.
+``experiments/quality_diagnosis.py`` for what each number is. A few minutes on one core.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,12 @@ import torch
 
 from polysketch.data.corpus import load_corpus
 from polysketch.eval.plots import log_axes, save_png, subplots
-from polysketch.eval.quality_diagnosis import (
+from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.train import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
+
+from experiments.quality_diagnosis import (  # noqa: E402
     capture_qkv,
     debiased_core,
     grad_norms,
@@ -31,8 +37,6 @@ from polysketch.eval.quality_diagnosis import (
     sketch_core,
     swap_loss,
 )
-from polysketch.nn import TransformerConfig, TransformerLM
-from polysketch.train import load_model
 
 SKETCH = {"name": "polysketch", "nonnegative": True}
 VARIANTS = {
