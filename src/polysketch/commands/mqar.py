@@ -12,11 +12,24 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from .._checks import check_positive_int
-from ..eval.mqar_sweep import add_arguments, parse_attention, run_from_args
+from ..eval.mqar_sweep import (
+    DEFAULT_ATTENTIONS,
+    FULL,
+    LLOPS,
+    LLOPS_ATTENTIONS,
+    QUICK,
+    format_table,
+    parse_attention,
+    plot_sweep,
+    run_sweep,
+    write_csv,
+)
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "add_arguments", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,8 +46,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``polysketch mqar`` options."""
+    parser.add_argument(
+        "--attentions", nargs="+", default=None, metavar="NAME[:k=v,...]",
+        help="attentions, optionally with model (qk_dim, short_conv, chunk_size, qk_norm, rope) or "
+        "feature-map keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--setting", choices=("default", "llops"), default="default",
+        help="llops: LLoPS Table 4's model (d_model 128, short convolutions) and attentions",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    parser.add_argument(
+        "--lrs", nargs="+", type=float, default=None, metavar="LR",
+        help="learning rates to sweep; each attention is reported at its best (default: --lr)",
+    )  # fmt: skip
+    for key, value in FULL.items():
+        parser.add_argument(
+            "--" + key.replace("_", "-"), type=type(value), default=None,
+            help=f"(default {value}; --quick: {QUICK[key]})",
+        )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--out", default="runs/mqar", help="folder for mqar.csv and mqar.png")
+    parser.add_argument("--progress", action="store_true", help="progress bar per model")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check the options, ``--device`` and ``--out`` (error line, 2), then run the sweep."""
+    """Check the options, ``--device`` and ``--out`` (error line, 2), run the sweep, print the
+    table, write ``mqar.csv`` (after every model, so a stopped sweep keeps its runs) and
+    ``mqar.png``."""
     try:
         for spec in args.attentions or []:  # bad options are reported before --out is touched
             parse_attention(spec)
@@ -46,7 +89,34 @@ def run(args: argparse.Namespace) -> int:
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
     except (ValueError, TypeError) as err:
         return fail("mqar", err)
+    base = QUICK if args.quick else LLOPS if args.setting == "llops" else FULL
+    attentions = args.attentions
+    if attentions is None:
+        attentions = LLOPS_ATTENTIONS if args.setting == "llops" else DEFAULT_ATTENTIONS
+    settings = {k: (getattr(args, k) if getattr(args, k) is not None else v)
+                for k, v in base.items()}  # fmt: skip
     try:
-        return run_from_args(args)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        rows = run_sweep(
+            attentions,
+            settings=settings,
+            lrs=args.lrs,
+            seed=args.seed,
+            device=args.device,
+            progress=args.progress,
+            on_row=lambda done: write_csv(done, out / "mqar.csv"),
+        )
+        print(format_table(rows))
+        csv_path = write_csv(rows, out / "mqar.csv")
+        png_path = plot_sweep(
+            rows, out / "mqar.png",
+            title=f"MQAR: T={settings['seq_len']}, {settings['num_kv_pairs']} pairs, "
+            f"{settings['n_layer']} layers × {settings['n_embd']}",
+        )  # fmt: skip
     except OSError as err:
         return fail("mqar", io_error(err, out))
+    except (ValueError, TypeError) as err:
+        return fail("mqar", err)
+    print(f"wrote {csv_path} and {png_path}")
+    return 0
