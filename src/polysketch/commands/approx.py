@@ -249,3 +249,5 @@ def run(args: argparse.Namespace) -> int:
         return _run_polynomial(args, out)
     except OSError as err:
         return fail("approx", io_error(err, out))
+    except ImportError as err:  # the figure without matplotlib: the error names the extra
+        return fail("approx", err)

@@ -130,6 +130,8 @@ def run_from_args(args) -> int:
             report = format_report(result)
     except OSError as err:
         return fail("bench", io_error(err, out))
+    except ImportError as err:  # the figure without matplotlib: the error names the extra
+        return fail("bench", err)
     print(report)
     print(f"\nwrote {csv_path} and {png_path}")
     return 0

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except OSError as err:
         return fail("mqar", io_error(err, out))
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, ImportError) as err:  # ImportError: matplotlib (plot extra)
         return fail("mqar", err)
     print(f"wrote {csv_path} and {png_path}")
     return 0
