@@ -24,7 +24,29 @@ from .settings import DemoSizes
 __all__ = ["section_speed"]
 
 
+def _tables(rows: list[dict], methods: list[str]) -> dict[str, tuple[list, list]]:
+    """(headers, rows) of the forward time, decode time and decode memory tables: one row per
+    length (position), one column per method, None where it was not measured."""
+    tables = {}
+    for section, key, unit in (
+        ("forward", "median_ms", "ms"),
+        ("decode", "median_ms", "ms"),
+        ("memory", "mem_mib", "MiB"),
+    ):
+        kind = "forward" if section == "forward" else "decode"
+        found = {(r["method"], r["T"]): r for r in rows if r["section"] == kind}
+        body = []
+        for t in sorted({t for _, t in found}):
+            cells = [found.get((m, t)) for m in methods]
+            body.append([t] + [r[key] if r and r["status"] == "ok" else None for r in cells])
+        first = "T" if section == "forward" else "position P"
+        tables[section] = ([first] + [f"{m} {unit}" for m in methods], body)
+    return tables
+
+
 def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
+    """Time attention (and on CUDA a training step) against SDPA; report and return the
+    summary, the tables and the matmul peak."""
     out = Path(args.out)
     lengths = parse_lengths(args.lengths) if args.lengths else sizes.lengths
     cuda = torch.device(args.device).type == "cuda"
@@ -47,20 +69,7 @@ def section_speed(args, sizes: DemoSizes, report, state: dict) -> dict:
     png = plot_results(result["rows"], out / "speed.png")
     rows = result["rows"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    tables = {}
-    for section, key, unit in (
-        ("forward", "median_ms", "ms"),
-        ("decode", "median_ms", "ms"),
-        ("memory", "mem_mib", "MiB"),
-    ):
-        kind = "forward" if section == "forward" else "decode"
-        found = {(r["method"], r["T"]): r for r in rows if r["section"] == kind}
-        body = []
-        for t in sorted({t for _, t in found}):
-            cells = [found.get((m, t)) for m in methods]
-            body.append([t] + [r[key] if r and r["status"] == "ok" else None for r in cells])
-        first = "T" if section == "forward" else "position P"
-        tables[section] = ([first] + [f"{m} {unit}" for m in methods], body)
+    tables = _tables(rows, methods)
     cfg = result["config"]
     report.heading("3. Speed and memory: causal attention and decoding")
     report.paragraph(
