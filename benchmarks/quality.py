@@ -18,7 +18,6 @@ runs take about 10 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from polysketch._files import write_csv
 from polysketch.data.corpus import load_corpus
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig
@@ -134,10 +134,7 @@ def main(argv=None) -> int:
     )
     print(setup)
     print(table)
-    with open(out / "quality.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "quality.csv")
     (out / "quality.md").write_text(setup + "\n\n" + table + "\n")
     (out / "curves.json").write_text(
         json.dumps({k: {"train": r["history"], "val": r["val"]} for k, r in results.items()})

@@ -13,13 +13,13 @@ The checkpoints come from ``benchmarks/quality.py --out RUN`` (``RUN/runs/LABEL/
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from polysketch._files import write_csv
 from polysketch.data.corpus import load_corpus
 from polysketch.eval.plots import log_axes, save_png, subplots
 from polysketch.nn import TransformerConfig, TransformerLM
@@ -80,10 +80,7 @@ def _ln_rows(dim: int, g: torch.Generator, n: int = 128) -> torch.Tensor:
 
 
 def _write(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, path)
 
 
 def _md(rows: list[dict], digits: int = 3) -> str:
