@@ -63,6 +63,7 @@ def _time(fn, repeats: int, cuda: bool) -> float:
 def run_shape(shape, *, segment, repeats, device):
     import torch
 
+    from polysketch.ops.dispatch import multiprocessor_count
     from polysketch.ops.triton import triton_lt_multiply_with_sums
     from polysketch.ops.triton._config import block_e, block_t, slice_groups
     from polysketch.ops.triton._layout import choose_segment
@@ -75,16 +76,17 @@ def run_shape(shape, *, segment, repeats, device):
     a, b, c = (x.to(device=device, dtype=dt).requires_grad_() for x in (a, b, c))
     wn = torch.randn(bsz, heads, t, e, generator=g).to(device)
     bh, size = bsz * heads, a.element_size()
-    ns = slice_groups(bh, t, f, e, a.device, square=square, element_size=size)
+    sms = multiprocessor_count(a.device)  # what the dispatcher passes the kernels
+    ns = slice_groups(bh, t, f, e, sms, square=square, element_size=size)
     be = block_e(f, e, square=square, element_size=size)
     bt = block_t(64, t, f, size)
     auto = choose_segment(
         "auto", bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * -(-e // be) * ns, square=square,
-        device=a.device, requested=segment,
+        sms=sms, requested=segment,
     )  # fmt: skip
     rows, outputs = [], {}
     for layout in ("sequential", "split"):
-        kw = dict(square=square, layout=layout, segment_length=segment)
+        kw = dict(square=square, layout=layout, segment_length=segment, sms=sms)
 
         def fwd(kw=kw):
             with torch.no_grad():
@@ -104,7 +106,7 @@ def run_shape(shape, *, segment, repeats, device):
         for x, y in zip(outputs["split"], outputs["sequential"], strict=True)
     )
     seg = choose_segment(
-        "split", bh=bh, t=t, f=f, e=e, bt=bt, grid=0, square=square, device=a.device,
+        "split", bh=bh, t=t, f=f, e=e, bt=bt, grid=0, square=square, sms=sms,
         requested=segment,
     )  # fmt: skip
     common = dict(B=bsz, H=heads, T=t, F=f, E=e, square=square, dtype=dtype, segment=seg)

@@ -43,7 +43,7 @@ def test_quick_bench_writes_csv_and_png(tmp_path, capsys, monkeypatch):
         if r["section"] == "forward":
             assert float(r["gflops_per_s"]) > 0
     psk = [r for r in rows if r["method"] == "polysketch"]
-    assert all(int(r["feature_dim"]) == 32 and int(r["state_dim"]) == 1024 for r in psk)
+    assert all(int(r["feature_dim"]) == 32 and int(r["state_dim"]) == 544 for r in psk)  # 32 * 17
     pos = [r for r in rows if r["method"] == "positive"]
     assert all(int(r["feature_dim"]) == 256 for r in pos)
 
@@ -65,7 +65,7 @@ def test_parse_lengths():
 def test_chunked_flops_formula():
     """Two blocks of b = T/2 rows equal the hand count; each further block adds the same work."""
     t, b, n, m = 8, 4, 2, 1  # n blocks; m = n - 1 write (no final state) and read a state
-    f, e = 4, 2  # F > E: the one-factor-at-a-time square path
+    f, e = 4, 2  # F > E: still the pair features, F(F//2 + 1) = 12 per token (ops.pairs)
     plain = (
         2 * n * b * b * f + 2 * n * b * b * e + n * b * b  # local blocks, row sums
         + 2 * m * b * f * e  # states
@@ -75,16 +75,18 @@ def test_chunked_flops_formula():
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=False) == plain
+    fp = 12
     square = (
         2 * n * b * b * f + 2 * n * b * b * e + n * b * b + n * b * b  # local, squares, row sums
-        + 2 * m * b * f * f * e + m * b * f * e  # states
-        + m * f * f * e  # running state
-        + 2 * m * b * f * f * e + 2 * m * b * f * e  # reads
-        + 2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f  # Σ BᵀB, A Z Aᵀ
+        + 2 * n * b * fp  # pair features of q and k
+        + 2 * m * b * fp * e  # states
+        + m * fp * e  # running state
+        + 2 * m * b * fp * e  # reads
+        + m * b * fp + 2 * m * b * fp  # key sums Σ ψ(B), reads (ω ⊙ ψ(A))·z
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == square
-    # F <= E and T >= 64: explicit symmetric pair features, F(F//2 + 1) = 12 per token
+    # F <= E, any T: explicit symmetric pair features, F(F//2 + 1) = 12 per token
     t, b, f, e, fp = 128, 64, 4, 8, 12
     pairs = (
         2 * n * b * b * f + 2 * n * b * b * e + n * b * b + n * b * b  # local, squares, row sums
@@ -92,7 +94,7 @@ def test_chunked_flops_formula():
         + 2 * m * b * fp * e  # states
         + m * fp * e  # running state
         + 2 * m * b * fp * e  # reads
-        + 2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f  # Σ BᵀB, A Z Aᵀ
+        + m * b * fp + 2 * m * b * fp  # key sums Σ ψ(B), reads (ω ⊙ ψ(A))·z
         + t * e
     )  # fmt: skip
     assert chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=b, square=True) == pairs

@@ -78,7 +78,9 @@ def test_shapes_and_sizes(name):
     q, k = fm.query(x), fm.key(x)
     assert q.shape == (2, 3, 5, fm.feature_dim)
     assert k.shape == (2, 3, 5, fm.feature_dim)
-    assert fm.state_dim == (fm.feature_dim**2 if fm.square else fm.feature_dim)
+    # squared maps: the symmetric pair layout of ops.pairs, F(F//2 + 1) (not F²)
+    f = fm.feature_dim
+    assert fm.state_dim == (f * (f // 2 + 1) if fm.square else f)
     s = fm.approx_kernel(x, x[..., :4, :])
     t = fm.target_kernel(x, x[..., :4, :])
     assert s.shape == t.shape == (2, 3, 5, 4)

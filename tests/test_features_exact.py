@@ -163,7 +163,8 @@ def test_square(cls, degree):
     direct = (x @ y.transpose(-1, -2)) ** (2 * degree)
     assert rel_err(m.target_kernel(x, y), direct) < 1e-14
     assert rel_err(m.approx_kernel(x, y), direct) < 1e-12
-    assert m.state_dim == m.feature_dim**2 and m.nonnegative
+    f = m.feature_dim  # pair layout: F(F//2 + 1) state features (ops.pairs)
+    assert m.state_dim == f * (f // 2 + 1) and m.nonnegative
     assert not cls(3, degree=3).nonnegative
 
 

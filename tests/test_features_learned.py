@@ -32,7 +32,7 @@ def _naive_features(fmap, x):
 def test_architecture_and_formula():
     fmap = LearnedPolySketch(6, num_features=5, expansion=3, levels=3, seed=0)
     assert fmap.kind == "learned" and fmap.square and fmap.nonnegative
-    assert fmap.feature_dim == 5 and fmap.state_dim == 25
+    assert fmap.feature_dim == 5 and fmap.state_dim == 15  # pair layout 5 * (5 // 2 + 1)
     for branch in (fmap.branch1, fmap.branch2):
         assert len(branch) == 3
         assert [tuple(b.up.shape) for b in branch] == [(15, 6), (15, 5), (15, 5)]

@@ -209,7 +209,7 @@ def test_shared_and_square_options():
     square = square.double().requires_grad_(False)
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
     assert square.nonnegative and not plain.nonnegative
-    assert square.state_dim == 25 and plain.state_dim == 5
+    assert square.state_dim == 15 and plain.state_dim == 5  # pair layout 5 * (5 // 2 + 1)
     assert square.target_degree == 4
     assert rel_err(square.target_kernel(x, y), (x @ y.T) ** 4) < 1e-15
     assert rel_err(square.approx_kernel(x, y), plain.approx_kernel(x, y) ** 2) < 1e-14

@@ -118,9 +118,10 @@ def test_decode_cache_equals_full_forward(attention):
 
 def test_decode_state_size():
     lin, kv, mixed = _layer("psf_random"), _layer("softmax"), _layer("psf_mixed")
-    assert lin.decode_state_size(5) == lin.decode_state_size(500) == H * 32 * 32 * (D + 1)
+    fs = 32 * (32 // 2 + 1)  # the pair layout of a squared r = 32 sketch (ops.pairs)
+    assert lin.decode_state_size(5) == lin.decode_state_size(500) == H * fs * (D + 1)
     assert kv.decode_state_size(10) == 2 * H * D * 10
-    assert mixed.decode_state_size(9) == H * 32 * 32 * (D + 1) + H * 1 * (2 * D + 32)
+    assert mixed.decode_state_size(9) == H * fs * (D + 1) + H * 1 * (2 * D + 32)
 
 
 def test_checkpoint_same_values_and_grads():

@@ -64,7 +64,8 @@ def test_sampling_reproducible_and_top_k():
 
 def test_decode_state_constant_for_linear_and_growing_for_softmax():
     lin, sm = _model("psf_random"), _model("softmax")
-    assert lin.decode_state_size(10) == lin.decode_state_size(10_000) == 2 * 2 * 32 * 32 * 9
+    fs = 32 * 17  # the pair layout of a squared r = 32 sketch
+    assert lin.decode_state_size(10) == lin.decode_state_size(10_000) == 2 * 2 * fs * 9
     assert sm.decode_state_size(100) == 2 * sm.decode_state_size(50) == 2 * 2 * 2 * 2 * 8 * 50
 
 

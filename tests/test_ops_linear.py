@@ -287,7 +287,7 @@ def test_group_bytes_is_validated():
 @pytest.mark.parametrize("square", [False, True])
 def test_decode_state_is_used_without_copy_and_steps_match_forward(square):
     from polysketch.ops import LinearAttentionState, linear_attention_step
-    from polysketch.ops.recurrent import unpack_state
+    from polysketch.ops.state import unpack_state
 
     q, k, v = make((2,), 9, 9, 3, 4, positive=True, seed=4)
     full = linear_attention(q, k, v, causal=True, square=square)

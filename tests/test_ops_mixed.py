@@ -6,7 +6,9 @@ import torch
 from conftest import rel_err
 from polysketch import features
 from polysketch.ops.mixed import mixed_attention, naive_mixed_attention
+from polysketch.ops.mixed_step import MixedAttentionState, mixed_attention_step
 from polysketch.ops.naive import polynomial_attention
+from polysketch.ops.pairs import compress
 
 D, E, F = 5, 3, 6
 
@@ -151,3 +153,57 @@ def test_rejects_bad_input():
         mixed_attention(q, k, v, fq, fk, scale=float("nan"))
     with pytest.raises(ValueError, match="q"):
         mixed_attention(q[0, 0, 0], k, v, fq, fk)
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("local,degree", [("polynomial", 4), ("relu", 2)])
+@pytest.mark.parametrize("prefill,step", [(1, 1), (5, 1), (8, 3), (13, 2)])
+def test_prefill_plus_steps_equal_naive_outputs_gradients_and_state(
+    prefill, step, local, degree, square
+):
+    """mixed_attention_step: a prefill, then the rest ``step`` tokens at a time, equals
+    naive_mixed_attention on the whole sequence (outputs and gradients); the state holds the
+    completed blocks' Σ Ψ(φk)⊗[v 1] (pair layout) and the current block's tokens."""
+    T, c = 21, 4
+    kw = dict(chunk_size=c, local=local, degree=degree, square=square, denominator_offset=0.5,
+              scale=0.7)  # fmt: skip
+    a = _inputs(T, requires_grad=True)
+    state, outs = None, []
+    for start in [0, *range(prefill, T, step)]:
+        stop = prefill if start == 0 else min(T, start + step)
+        out, state = mixed_attention_step(*(x[..., start:stop, :] for x in a), state, **kw)
+        outs.append(out)
+    out = torch.cat(outs, dim=-2)
+    b = [t.detach().clone().requires_grad_(True) for t in a]
+    ref = naive_mixed_attention(*b, **kw)
+    assert out.shape == ref.shape and rel_err(out.detach(), ref.detach()) <= 1e-10
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    grads = torch.autograd.grad((out * w).sum(), a)
+    ref_grads = torch.autograd.grad((ref * w).sum(), b)
+    for name, x, y in zip(["q", "k", "v", "phi_q", "phi_k"], grads, ref_grads, strict=True):
+        assert rel_err(x, y) <= 1e-10, name
+    full = (T // c) * c  # 20: five completed blocks, one token in the current block
+    q, k, v, fq, fk = (x.detach() for x in a)
+    vt = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)[..., :full, :]
+    if square:
+        want = compress(torch.einsum("...tf,...tg,...te->...fge", fk[..., :full, :],
+                                     fk[..., :full, :], vt))  # fmt: skip
+    else:
+        want = fk[..., :full, :].transpose(-1, -2) @ vt
+    assert state.length == T and state.summary.shape == want.shape
+    assert rel_err(state.summary, want) <= 1e-12
+    for buf, x in ((state.k, k), (state.phi_k, fk), (state.v, v)):
+        assert torch.equal(buf, x[..., full:, :])
+
+
+def test_mixed_step_refuses_a_state_that_does_not_fit():
+    q, k, v, fq, fk = _inputs(10)
+    _, state = mixed_attention_step(q, k, v, fq, fk, None, chunk_size=4)
+    one = [x[..., :1, :] for x in (q, k, v, fq, fk)]
+    with pytest.raises(ValueError, match="chunk_size"):
+        mixed_attention_step(*one, state, chunk_size=3)
+    with pytest.raises(ValueError, match="state.summary"):
+        mixed_attention_step(*one, state, chunk_size=4, square=True)
+    with pytest.raises(TypeError, match="MixedAttentionState"):
+        mixed_attention_step(*one, (state.summary,), chunk_size=4)
+    assert isinstance(state, MixedAttentionState) and state.length == 10

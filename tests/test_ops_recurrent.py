@@ -6,10 +6,13 @@ import torch
 from conftest import rel_err
 from polysketch.ops import (
     LinearAttentionState,
+    dense_to_pair_state,
     linear_attention,
     linear_attention_step,
     naive_linear_attention,
+    pair_to_dense_state,
 )
+from polysketch.ops.pairs import compress
 
 F64 = torch.float64
 
@@ -64,9 +67,16 @@ def test_state_content(square):
     _, state = linear_attention(
         q, k, v, causal=True, square=square, return_state=True, chunk_size=4
     )
-    if square:
-        num = torch.einsum("btf,btg,bte->bfge", k, k, v)
-        den = torch.einsum("btf,btg->bfg", k, k)
+    if square:  # the pair layout (ops.state) of the dense Σ k⊗k⊗v, Σ k⊗k
+        dense_num = torch.einsum("btf,btg,bte->bfge", k, k, v)
+        dense_den = torch.einsum("btf,btg->bfg", k, k)
+        num, den = compress(dense_num), compress(dense_den, values=False)
+        assert num.shape == (2, 3 * (3 // 2 + 1), 4)
+        dense = pair_to_dense_state(state, 3)
+        assert rel_err(dense.numerator, dense_num) <= 1e-12
+        assert rel_err(dense.denominator, dense_den) <= 1e-12
+        back = dense_to_pair_state(dense)
+        assert torch.equal(back.numerator, state.numerator) and back.length == state.length
     else:
         num, den = k.transpose(-1, -2) @ v, k.sum(-2)
     assert state.numerator.shape == num.shape and state.denominator.shape == den.shape
@@ -134,3 +144,47 @@ def test_state_helpers_and_half_precision_state_is_fp32():
     leaf = torch.zeros(1, 2, 3, requires_grad=True)
     s = LinearAttentionState(leaf * 2, torch.zeros(1, 2), 0)
     assert s.numerator.requires_grad and not s.detach().numerator.requires_grad
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_one_token_step_is_one_fused_update_matching_naive(square, monkeypatch):
+    """Token by token from an empty state, with key padding: outputs, gradients and the
+    state equal the naive reference and the prefill's state; a one-token step never runs the
+    chunked machinery of linear_attention (N += Ψ(k)⊗v, Z += Ψ(k) and one read)."""
+    from polysketch.ops import recurrent
+
+    q, k, v = make((2, 2), 12, 3, 5, positive=not square, seed=6)
+    keep = torch.rand(2, 1, 12, generator=torch.Generator().manual_seed(7)) > 0.3
+    keep[..., 0] = True
+    v = torch.where(keep.unsqueeze(-1), v, float("nan"))  # padded values must never leak
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a one-token step ran linear_attention")
+
+    monkeypatch.setattr(recurrent, "linear_attention", refuse)
+    state, outs = None, []
+    for i in range(12):
+        sl = slice(i, i + 1)
+        out, state = linear_attention_step(
+            *(x[..., sl, :] for x in leaves), state, square=square, denominator_offset=0.5,
+            key_padding_mask=keep[..., sl],
+        )  # fmt: skip
+        outs.append(out)
+    monkeypatch.undo()
+    out = torch.cat(outs, dim=-2)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref = naive_linear_attention(*ref_leaves, causal=True, square=square, denominator_offset=0.5,
+                                 key_padding_mask=keep)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-10
+    w = torch.linspace(-1, 1, ref.numel(), dtype=F64).reshape(ref.shape)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).sum(), ref_leaves)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-10
+    _, whole = linear_attention(q, k, v, causal=True, square=square, return_state=True,
+                                key_padding_mask=keep)  # fmt: skip
+    assert state.length == 12 and state.numerator.shape == whole.numerator.shape
+    assert rel_err(state.numerator, whole.numerator) <= 1e-12
+    assert rel_err(state.denominator, whole.denominator) <= 1e-12

@@ -20,6 +20,7 @@ import polysketch  # noqa: E402
 from conftest import naive_lt_same_dtype, rel_err  # noqa: E402
 from polysketch.ops import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
+from polysketch.ops.pairs import compress  # noqa: E402
 from polysketch.ops.triton import (  # noqa: E402
     available,
     decode_unsupported_reason,
@@ -174,12 +175,15 @@ def test_decode_step_matches_full_computation(square, f, e):
 def test_decode_step_half_inputs_and_fp32_state():
     q, k, v = _inputs((2,), 1, 16, 32, torch.bfloat16, square=True)
     n, z = torch.randn(2, 16, 16, 32, device=DEVICE), torch.randn(2, 16, 16, device=DEVICE)
-    num, den, n2, z2 = triton_decode_step(q, k, v, n, z, square=True)
+    n, z = (n + n.transpose(1, 2)) / 2, (z + z.transpose(1, 2)) / 2  # a state is symmetric
+    pn, pz = compress(n), compress(z, values=False)  # the pair layout of LinearAttentionState
+    num, den, n2, z2 = triton_decode_step(q, k, v, pn, pz, square=True)
     qf, kf, vf = (x.float()[:, 0] for x in (q, k, v))
     ref_n = n + torch.einsum("bf,bg,be->bfge", kf, kf, vf)
-    assert n2.dtype == torch.float32 and rel_err(n2, ref_n) <= 1e-6
+    assert n2.dtype == torch.float32 and rel_err(n2, compress(ref_n)) <= 1e-6
     assert rel_err(num[:, 0], torch.einsum("bf,bg,bfge->be", qf, qf, ref_n)) <= 1e-5
     ref_z = z + torch.einsum("bf,bg->bfg", kf, kf)
+    assert rel_err(z2, compress(ref_z, values=False)) <= 1e-6
     assert rel_err(den[:, 0], torch.einsum("bf,bg,bfg->b", qf, qf, ref_z)) <= 1e-5
 
 
@@ -231,11 +235,14 @@ def test_bad_arguments_of_the_op_and_the_decode_step():
     with pytest.raises(ValueError, match="groups must divide F=16"):
         lt_multiply_with_sums(a, b, c, square=True, groups=3)
     q, k, v = (x[..., :1, :] for x in (a, b, c))
-    n, z = torch.zeros(2, 16, 16, 32, device=DEVICE), torch.zeros(2, 16, 16, device=DEVICE)
+    n, z = torch.zeros(2, 144, 32, device=DEVICE), torch.zeros(2, 144, device=DEVICE)  # F' = 144
     with pytest.raises(ValueError, match="phi_q requires grad"):
         triton_decode_step(q.requires_grad_(), k, v, n, z, square=True)
     with pytest.raises(ValueError, match="numerator must have shape"):
         triton_decode_step(q.detach(), k, v, n[..., :8, :], z, square=True)
+    with pytest.raises(ValueError, match=r"numerator must have shape \(2, 144, 32\)"):
+        dense = torch.zeros(2, 16, 16, 32, device=DEVICE)  # the dense layout of old releases
+        triton_decode_step(q.detach(), k, v, dense, z, square=True)
     with pytest.raises(TypeError, match="denominator must be float32"):
         triton_decode_step(q.detach(), k, v, n, z.double(), square=True)
     with pytest.raises(ValueError, match=r"phi_k must have shape \(\.\.\., 1, dim\)"):
@@ -322,18 +329,27 @@ def test_split_layout_causal_outputs_before_t_are_bit_identical(square):
 
 
 def test_layout_choice_and_segment_length():
-    from polysketch.ops.triton._config import SEGMENT_BYTES, segment_length
+    from polysketch.ops.triton._config import SEGMENT_BYTES, segment_length, slice_groups
     from polysketch.ops.triton._layout import choose_segment
 
-    cpu = torch.device("cpu")
-    kw = dict(bh=2, t=5000, f=16, e=32, bt=64, grid=2, square=True, device=cpu)
-    assert choose_segment("auto", **kw) is None  # never split on CPU unless forced
+    kw = dict(bh=2, t=5000, f=16, e=32, bt=64, grid=2, square=True, sms=None)
+    assert choose_segment("auto", **kw) is None  # never split without a GPU unless forced
     assert choose_segment("sequential", **kw) is None
     assert choose_segment("split", **kw) == 1024
     assert choose_segment("split", **kw, requested=100) == 128  # a multiple of BT
     assert choose_segment("split", **{**kw, "t": 1024}) is None  # one segment
     with pytest.raises(ValueError, match="layout must be one of"):
         choose_segment("chunked", **kw)
+    # with a GPU's multiprocessor count (the dispatcher's): split when the grid leaves SMs idle
+    assert choose_segment("auto", **{**kw, "sms": 132}) == 1024
+    assert choose_segment("auto", **{**kw, "sms": 132, "grid": 132}) is None
+    assert choose_segment("auto", **{**kw, "sms": 132, "t": 2047}) is None  # T < 2L
+    # slice groups of the square state grow until B·H·NS covers the SMs (at most 8)
+    sg = dict(square=True, element_size=2)
+    assert slice_groups(12, 1024, 32, 64, 132, **sg) == 8
+    assert slice_groups(12, 1024, 32, 64, 48, **sg) == 4
+    assert slice_groups(12, 1024, 32, 64, None, **sg) == 1  # no GPU: one group
+    assert slice_groups(12, 1024, 32, 64, 132, square=False, element_size=2) == 1
     # F = E = 64 square, 12 heads, T = 32k: 12.8 MB per segment -> L = 2048 (16 segments)
     seg = segment_length(12, 32768, 64, 64, 64, square=True)
     assert seg == 2048 and -(-32768 // seg) * 12 * 64 * 64 * 65 * 4 <= SEGMENT_BYTES

@@ -23,7 +23,6 @@ __all__ = [
     "check_same_dtype_device",
     "check_finite",
     "compute_dtype",
-    "operand_dtype",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -162,16 +161,3 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     internals wherever overflow or cancellation threatens, and results are cast back.
     """
     return torch.float32 if dtype in _LOW_PRECISION else dtype
-
-
-def operand_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype of matmul operands for inputs of ``dtype`` on ``device``.
-
-    On accelerators bf16/fp16 stay half (tensor cores, fp32 accumulation inside the GEMM);
-    states, prefix sums and normalizers are still kept in ``compute_dtype`` (fp32) by the ops.
-    On CPU half inputs are upcast: CPU BLAS has no fast half GEMM on most machines and fp32
-    measured faster here. Other dtypes are unchanged.
-    """
-    if dtype in _LOW_PRECISION and torch.device(device).type == "cpu":
-        return torch.float32
-    return dtype

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import naive_lt_same_dtype
 from polysketch import features, kernel_attention
 from polysketch.nn import KernelAttention
+from polysketch.ops import dispatch
 from polysketch.ops.dispatch import resolve_algorithm
 
 pytestmark = pytest.mark.skipif(
@@ -54,12 +55,20 @@ def _naive(phi_q, phi_k, v):
     return num / (row_sums.unsqueeze(-1) + 1)
 
 
-def test_dispatch_on_cuda_picks_an_accelerator_layout():
+def test_dispatch_on_cuda_picks_blocks_and_triton_only_when_switched_on(monkeypatch):
     q, k, v = _inputs(256, torch.bfloat16, h=2)
-    assert resolve_algorithm("chunked", q, k, v, square=True, with_state=False) in (
-        "triton", "chunked_blocks",
-    )  # fmt: skip
-    assert resolve_algorithm("chunked", q, k, v, square=True, with_state=True) == "chunked_blocks"
+    phi = _map().query(q)
+    monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [False])  # the default: Triton is opt-in
+    assert resolve_algorithm("chunked", phi, phi, v, square=True, with_state=False) == (
+        "chunked_blocks"
+    )
+    dispatch.enable_triton()
+    want = "triton" if dispatch.triton_backend() is not None else "chunked_blocks"
+    assert resolve_algorithm("chunked", phi, phi, v, square=True, with_state=False) == want
+    assert resolve_algorithm("chunked", phi, phi, v, square=True, with_state=True) == (
+        "chunked_blocks"
+    )  # no state in or out of the kernels: routed around
+    assert dispatch.multiprocessor_count(q.device) >= 1
 
 
 def test_model_softmax_runs_flash_attention_under_bf16():
@@ -101,11 +110,15 @@ def test_training_step_memory_grows_linearly():
     assert peaks[65536] <= 4.5 * peaks[16384]
 
 
-def test_decode_steps_on_cuda_equal_the_full_forward():
-    """linear_attention_step takes the fused Triton step on CUDA when available: prefill +
-    one-token steps equal the causal forward."""
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_decode_steps_on_cuda_equal_the_full_forward(use_triton, monkeypatch):
+    """linear_attention_step (the PyTorch step, or the fused Triton step when switched on):
+    prefill + one-token steps equal the causal forward."""
     from polysketch.ops import linear_attention, linear_attention_step
 
+    if use_triton and dispatch.triton_backend() is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [use_triton])
     fm = _map()
     q, k, v = _inputs(300, torch.float32, h=4)
     phi_q, phi_k = fm.query(q), fm.key(k)

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from polysketch.ops import linear_attention  # noqa: E402
+from polysketch.ops.dispatch import multiprocessor_count  # noqa: E402
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
 from polysketch.ops.triton import (  # noqa: E402
     triton_decode_step,
@@ -51,8 +52,8 @@ def _naive_same_dtype(a, b, c, square):
     return naive_lt_same_dtype(a, b, c, square=square)
 
 
-def _kernel(a, b, c, square):
-    return triton_lt_multiply_with_sums(a, b, c, square=square)
+def _kernel(a, b, c, square):  # with the SM count, as the dispatcher calls it
+    return triton_lt_multiply_with_sums(a, b, c, square=square, sms=multiprocessor_count(a.device))
 
 
 def _values_and_grads(fn, a, b, c, square, wn, wr, dtype):
@@ -89,7 +90,8 @@ def test_bf16_within_twice_the_bf16_naive_error(square, f, e, t):
 
 def _layout(name, segment=1024):
     def fn(a, b, c, square):
-        kw = dict(square=square, layout=name, segment_length=segment)
+        kw = dict(square=square, layout=name, segment_length=segment,
+                  sms=multiprocessor_count(a.device))  # fmt: skip
         return triton_lt_multiply_with_sums(a, b, c, **kw)
 
     return fn

@@ -16,11 +16,9 @@ import torch
 
 from .._checks import check_positive_int
 from ..eval.mqar_sweep import (
-    DEFAULT_ATTENTIONS,
     FULL,
-    LLOPS,
-    LLOPS_ATTENTIONS,
     QUICK,
+    SETTINGS,
     format_table,
     parse_attention,
     plot_sweep,
@@ -54,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "feature-map keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
     )  # fmt: skip
     parser.add_argument(
-        "--setting", choices=("default", "llops"), default="default",
-        help="llops: LLoPS Table 4's model (d_model 128, short convolutions) and attentions",
+        "--setting", choices=tuple(SETTINGS), default="default",
+        help="llops: LLoPS Table 4's model (d_model 128, short convolutions) and attentions; "
+        "long / long512: long-range recall at T = 1024 / 512, every query >= T/2 after its key",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
     parser.add_argument(
@@ -89,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
     except (ValueError, TypeError) as err:
         return fail("mqar", err)
-    base = QUICK if args.quick else LLOPS if args.setting == "llops" else FULL
-    attentions = args.attentions
-    if attentions is None:
-        attentions = LLOPS_ATTENTIONS if args.setting == "llops" else DEFAULT_ATTENTIONS
+    base, default_attentions = SETTINGS[args.setting]
+    if args.quick:
+        base = {**QUICK, "min_distance": min(base["min_distance"], QUICK["seq_len"] // 2)}
+    attentions = args.attentions if args.attentions is not None else default_attentions
     settings = {k: (getattr(args, k) if getattr(args, k) is not None else v)
                 for k, v in base.items()}  # fmt: skip
     try:
@@ -109,11 +108,13 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_table(rows))
         csv_path = write_csv(rows, out / "mqar.csv")
-        png_path = plot_sweep(
-            rows, out / "mqar.png",
-            title=f"MQAR: T={settings['seq_len']}, {settings['num_kv_pairs']} pairs, "
-            f"{settings['n_layer']} layers × {settings['n_embd']}",
-        )  # fmt: skip
+        title = (
+            f"MQAR: T={settings['seq_len']}, {settings['num_kv_pairs']} pairs, "
+            f"{settings['n_layer']} layers × {settings['n_embd']}"
+        )
+        if settings["min_distance"]:
+            title += f", query ≥ {settings['min_distance']} after key"
+        png_path = plot_sweep(rows, out / "mqar.png", title=title)
     except OSError as err:
         return fail("mqar", io_error(err, out))
     except (ValueError, TypeError, ImportError) as err:  # ImportError: matplotlib (plot extra)

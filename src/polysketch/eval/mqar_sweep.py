@@ -42,6 +42,10 @@ __all__ = [
     "QUICK",
     "LLOPS",
     "LLOPS_ATTENTIONS",
+    "LONG",
+    "LONG_512",
+    "LONG_ATTENTIONS",
+    "SETTINGS",
     "parse_attention",
     "best_rows",
     "make_data",
@@ -66,7 +70,7 @@ DEFAULT_ATTENTIONS = (
 FULL = {
     "vocab_size": 256, "seq_len": 64, "num_kv_pairs": 8, "num_train": 20000, "num_val": 1000,
     "n_layer": 2, "n_head": 2, "n_embd": 64, "steps": 3000, "batch_size": 64, "lr": 1e-3,
-    "warmup_steps": 100, "short_conv": 0,
+    "warmup_steps": 100, "short_conv": 0, "min_distance": 0,
 }  # fmt: skip
 """Default sizes: about Zoology's smallest MQAR setting (T = 64, 8 pairs, d_model 64). At this
 budget softmax solves the task (recall 0.974 on a 2-core CPU, 4 minutes); with lr 3e-3 and
@@ -75,7 +79,7 @@ budget softmax solves the task (recall 0.974 on a 2-core CPU, 4 minutes); with l
 QUICK = {
     "vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 256, "num_val": 64,
     "n_layer": 2, "n_head": 2, "n_embd": 16, "steps": 8, "batch_size": 16, "lr": 3e-3,
-    "warmup_steps": 2, "short_conv": 0,
+    "warmup_steps": 2, "short_conv": 0, "min_distance": 0,
 }  # fmt: skip
 """``--quick``: a smoke run (seconds for the whole sweep on a CPU); accuracies are not
 meaningful at this size."""
@@ -103,12 +107,44 @@ third to a half of the normalizers negative within 400 steps
 (``benchmarks/llops_normalizers.py``), squared scores cannot; BASED's map on 16-dim queries
 and keys (as Table 4's BASED)."""
 
+LONG = {**LLOPS, "seq_len": 1024, "num_kv_pairs": 16, "min_distance": 512, "batch_size": 32}
+"""``--setting long``: long-range recall (issue 21). T = 1024 with 16 key-value pairs, every
+query at least 512 tokens after its key (``MQARConfig.min_distance``), so no exact local
+window of up to 512 tokens (``psf_mixed``'s block is the model's chunk, 64) sees a key and
+its query together: the answer must come from the attention's global part. Model and
+schedule of ``LLOPS`` (2 layers × 128, short convolutions of 3 taps) with batch 32. Zoology's
+larger settings, the reference, use T = 512 with 64 pairs (and up to 2048 in its scaling
+runs), vocabulary 8192, 100,000 training examples and d_model 64–512; ours keep
+``FULL``'s vocabulary (256) and 20,000 examples, and 16 pairs, for a 2-core CPU."""
+
+LONG_512 = {**LONG, "seq_len": 512, "min_distance": 256}
+"""``--setting long512``: ``LONG`` at T = 512, queries at least 256 tokens after their keys."""
+
+LONG_ATTENTIONS = (
+    "softmax",
+    "taylor:qk_dim=16",
+    "llops:num_features=256,degree=2,elementwise_square=True",
+    "polysketch",
+    "psf_mixed",
+    "hedgehog",
+)
+"""``--setting long`` / ``long512``'s default attentions."""
+
 MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size", "qk_norm", "rope")
 """Keys of an attention spec that configure the model rather than the feature map."""
 
 COLUMNS = (
     "attention", "lr", "state_size", "params", "val_loss", "accuracy", "train_s"
 )  # fmt: skip
+
+
+SETTINGS = {
+    "default": (FULL, DEFAULT_ATTENTIONS),
+    "llops": (LLOPS, LLOPS_ATTENTIONS),
+    "long": (LONG, LONG_ATTENTIONS),
+    "long512": (LONG_512, LONG_ATTENTIONS),
+}
+"""``--setting`` name -> (sizes, default attentions)."""
 
 
 def parse_attention(spec: str) -> tuple[str, dict, dict]:
@@ -204,6 +240,7 @@ def make_data(settings: dict, *, seed: int = 0) -> MQARData:
         vocab_size=settings["vocab_size"],
         seq_len=settings["seq_len"],
         num_kv_pairs=settings["num_kv_pairs"],
+        min_distance=settings.get("min_distance", 0),
     )
     return MQARData.make(
         task, num_train=settings["num_train"], num_val=settings["num_val"], seed=seed

@@ -157,7 +157,7 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
     Instance attributes:
         dim (int): D, the input dimension.
         square (bool): effective features are φ⊗φ, i.e. the score is (φq·φk)²; the ops
-            never materialize the F² features.
+            never materialize the F² features (their states hold F(⌊F/2⌋+1) pair products).
         nonnegative (bool): every score the map produces is >= 0.
     """
 
@@ -195,9 +195,10 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
 
     @property
     def state_dim(self) -> int:
-        """Size of the decoding state per value dim: F² when ``square`` else F."""
+        """F', the size of the decoding state per value dim: F(⌊F/2⌋+1) when ``square`` (the
+        symmetric pair layout of ``polysketch.ops.pairs``, about half of F²), else F."""
         f = self.feature_dim
-        return f * f if self.square else f
+        return f * (f // 2 + 1) if self.square else f
 
     # ----- features ----------------------------------------------------------------------
     def _features(self, x: torch.Tensor) -> torch.Tensor:

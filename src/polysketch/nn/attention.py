@@ -20,7 +20,7 @@ with ``attention`` one of (see ``polysketch.nn.presets``):
 The q/k LayerNorm comes before RoPE (so RoPE(q)·RoPE(k) still depends on relative positions
 only); the public PolySketchFormer code applies it after. Precision: projections follow
 autocast; the attention core runs with autocast disabled on q, k, v in the operand dtype
-(``_checks.operand_dtype``): on accelerators bf16/fp16 stay half, so softmax runs
+(``ops.dispatch.operand_dtype``): on accelerators bf16/fp16 stay half, so softmax runs
 FlashAttention through SDPA and the linear ops use tensor cores while keeping states and
 normalizers in fp32; on CPU half inputs are computed in fp32.
 """
@@ -33,9 +33,10 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import check_float, check_int, check_positive_int, check_tensor, operand_dtype
+from .._checks import check_float, check_int, check_positive_int, check_tensor
 from .._checks import compute_dtype as _compute_dtype
 from ..ops import linear_attention, polynomial_attention, softmax_attention
+from ..ops.dispatch import operand_dtype
 from ..ops.mixed import mixed_attention
 from ..ops.naive import DEFAULT_EPS
 from .cache import KVCache, MixedCache, RecurrentCache
@@ -168,7 +169,8 @@ class KernelAttention(nn.Module):
     def decode_state_size(self, seq_len: int) -> int:
         """Floats this layer's cache holds per sequence after ``seq_len`` tokens.
 
-        Linear: H·F'·(D + 1) with F' = F² (square) or F, constant; KV cache: H·(D_qk + D)·t;
+        Linear: H·F'·(D + 1) with F' = F(⌊F/2⌋+1) (square: the pair layout of ``ops.state``)
+        or F, constant; KV cache: H·(D_qk + D)·t;
         mixed: H·F'·(D + 1) once a block is complete + H·(t mod b)·(D_qk + D + F); plus, with
         a short convolution of K taps, the last K - 1 projections (K - 1)·H·(2·D_qk + D).
         """

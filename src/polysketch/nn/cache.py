@@ -1,9 +1,10 @@
 """Decode caches of ``KernelAttention``: what a layer keeps per sequence between steps.
 
 * ``RecurrentCache`` (feature-map attention): the constant-size state of causal linear
-  attention, N = Σ_j φk_j ⊗ v_j and Z = Σ_j φk_j (F² instead of F with ``square``), a
-  ``polysketch.ops.LinearAttentionState`` (PolySketchFormer §3: linear attention is an RNN).
-  H·F'·(E + 1) floats per sequence, F' = F or F², whatever the length.
+  attention, N = Σ_j Ψ(φk_j) ⊗ v_j and Z = Σ_j Ψ(φk_j) (the pair features of ``ops.pairs``
+  with ``square``), a ``polysketch.ops.LinearAttentionState`` (PolySketchFormer §3: linear
+  attention is an RNN). H·F'·(E + 1) floats per sequence, F' = F or F(⌊F/2⌋+1), whatever
+  the length.
 * ``KVCache`` (``softmax`` and exact ``polynomial``): every key and value so far, 2·H·D·t
   floats at position t — the quadratic-attention baseline.
 * ``MixedCache`` (``psf_mixed``): the state of the completed blocks plus the keys, key
@@ -21,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import LinearAttentionState, square_state
-from ..ops.chunked import apply_state
-from ..ops.naive import stabilize_denominator
+from ..ops import LinearAttentionState
+from ..ops.mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
 
 __all__ = ["RecurrentCache", "KVCache", "MixedCache", "LayerCache"]
 
@@ -76,15 +76,18 @@ class KVCache:
 
 
 class MixedCache:
-    """Mixed local/global decode state (see the module docstring and ``step``)."""
+    """Mixed local/global decode state: the ``polysketch.ops.MixedAttentionState`` of
+    ``ops.mixed_step`` kept as plain attributes (``state`` = its ``summary`` [N Z] of the
+    completed blocks (B, H, F', E+1), ``k`` (B, H, n, D), ``phi_k`` (B, H, n, F), ``v``
+    (B, H, n, E) of the current block, ``length``), so batch maps reach every tensor."""
 
     def __init__(self, chunk_size: int, square: bool) -> None:
         self.chunk_size = chunk_size
         self.square = square
-        self.state: torch.Tensor | None = None  # [N Z] of completed blocks, (B, H, F[, F], E+1)
-        self.k: torch.Tensor | None = None  # current block: (B, H, n, D)
-        self.phi_k: torch.Tensor | None = None  # (B, H, n, F)
-        self.v: torch.Tensor | None = None  # (B, H, n, E)
+        self.state: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None
+        self.phi_k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.length = 0
         self.conv_tail: torch.Tensor | None = None  # short convolution: (B, K-1, C)
 
@@ -92,73 +95,29 @@ class MixedCache:
         tensors = (self.state, self.k, self.phi_k, self.v, self.conv_tail)
         return sum(_numel(t) for t in tensors)
 
-    def _fold(self, phi_k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add Σ_j φk_j(⊗φk_j) ⊗ [v_j 1] of a completed stretch of blocks to the state."""
-        vt = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
-        s = square_state(phi_k, vt) if self.square else phi_k.transpose(-1, -2) @ vt
-        self.state = s if self.state is None else self.state + s
+    def _load(self, st: MixedAttentionState) -> None:
+        self.state, self.k, self.phi_k, self.v, self.length = (
+            st.summary,
+            st.k,
+            st.phi_k,
+            st.v,
+            st.length,
+        )
 
     def prefill(self, k: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a prefix of T tokens (empty cache): fold the complete blocks, keep the rest."""
-        t = k.shape[-2]
-        full = (t // self.chunk_size) * self.chunk_size
-        if full:
-            self._fold(phi_k[..., :full, :], v[..., :full, :])
-        rest = slice(full, t)
-        self.k, self.phi_k, self.v = k[..., rest, :], phi_k[..., rest, :], v[..., rest, :]
-        self.length = t
+        self._load(mixed_attention_state(k, phi_k, v, chunk_size=self.chunk_size,
+                                         square=self.square))  # fmt: skip
 
     def steps(self, q, k, v, phi_q, phi_k, *, degree: int, offset: float, eps: float):
-        """``step`` for each of n new tokens in order: (B, H, n, ·) inputs -> (B, H, n, E).
-
-        Decoding feeds one or a few tokens per call, so a loop over them is not a hot path.
-        """
-        outs = [
-            self.step(
-                q[..., i : i + 1, :],
-                k[..., i : i + 1, :],
-                v[..., i : i + 1, :],
-                phi_q[..., i : i + 1, :],
-                phi_k[..., i : i + 1, :],
-                degree=degree,
-                offset=offset,
-                eps=eps,
-            )  # fmt: skip
-            for i in range(q.shape[-2])
-        ]
-        return torch.cat(outs, dim=-2)
-
-    def step(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        phi_q: torch.Tensor,
-        phi_k: torch.Tensor,
-        *,
-        degree: int,
-        offset: float,
-        eps: float,
-    ) -> torch.Tensor:
-        """One new token (q, k (B, H, 1, D), v (B, H, 1, E), φq, φk (B, H, 1, F)) -> (B, H, 1, E).
-
-        out = (Σ_{j in block, j<=t} (q·k_j)^p v_j + φq N) / stab(offset + Σ (q·k_j)^p + φq Z),
-        N, Z over the completed blocks (``polysketch.ops.mixed``, one row of it); when the
-        token completes its block, the block's features are folded into N, Z.
-        """
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
-        self.phi_k = phi_k if self.phi_k is None else torch.cat([self.phi_k, phi_k], dim=-2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
-        kappa = (q @ self.k.transpose(-1, -2)).pow(degree)  # (B, H, 1, n)
-        vt = torch.cat([self.v, self.v.new_ones(self.v.shape[:-1] + (1,))], dim=-1)
-        num = kappa @ vt  # (B, H, 1, E+1)
-        if self.state is not None:
-            num = num + apply_state(phi_q, self.state, square=self.square)
-        out = num[..., :-1] / stabilize_denominator(num[..., -1:] + offset, eps)
-        self.length += 1
-        if self.k.shape[-2] == self.chunk_size:
-            self._fold(self.phi_k, self.v)
-            self.k = self.phi_k = self.v = None
+        """n new tokens after a prefill: (B, H, n, ·) inputs -> (B, H, n, E), by
+        ``polysketch.ops.mixed_attention_step`` (exact local polynomial of ``degree``)."""
+        st = MixedAttentionState(self.state, self.k, self.phi_k, self.v, self.length)
+        out, st = mixed_attention_step(
+            q, k, v, phi_q, phi_k, st, chunk_size=self.chunk_size, local="polynomial",
+            degree=degree, square=self.square, denominator_offset=offset, eps=eps,
+        )  # fmt: skip
+        self._load(st)
         return out
 
 

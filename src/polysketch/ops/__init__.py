@@ -1,21 +1,29 @@
-"""Sequence mixing on features: exact references, chunked/cumsum/recurrent linear attention.
+"""Sequence mixing on features: exact references, linear attention backends, decoding.
 
 Public entry points:
 
 - ``linear_attention(phi_q, phi_k, v, *, causal, square=False, chunk_size=256, ...)``: linear
   attention on features (non-causal by associativity; causal by the block lower-triangular
-  algorithm of PolySketchFormer Theorem 3.1, or by Performer prefix sums).
+  algorithm of PolySketchFormer Theorem 3.1, or by Performer prefix sums), one entry point over
+  the backends of ``polysketch.ops.dispatch`` (one contract, one state layout).
 - ``kernel_attention(q, k, v, feature_map, *, causal, ...)``: applies a ``FeatureMap`` first.
-- ``linear_attention_step`` and ``LinearAttentionState``: constant-size decoding.
-- ``softmax_attention``, ``polynomial_attention``, ``naive_linear_attention``: exact quadratic
-  references (PolySketchFormer Eq. (1)).
+- ``linear_attention_step`` and ``LinearAttentionState`` (``ops.state``): constant-size
+  decoding; squared maps keep their state in the pair layout of ``ops.pairs``
+  (``dense_to_pair_state`` converts states of earlier releases).
+- ``mixed_attention`` and ``mixed_attention_step`` / ``MixedAttentionState``: exact local
+  blocks + features before them, and its decoding.
+- ``softmax_attention``, ``polynomial_attention``, ``naive_linear_attention``,
+  ``naive_mixed_attention``: exact quadratic references (PolySketchFormer Eq. (1)).
 
-Internals kept stable for ``mixed`` and the benchmark: ``chunked_lt_multiply``,
-``cumsum_lt_multiply``, ``noncausal_multiply``, ``square_state``, ``square_apply``,
-``stabilize_denominator``.
+Kept for one release (dense square states; see ``ops.legacy`` for what replaces them):
+``chunked_lt_multiply``, ``chunked_lt_multiply_with_sums``, ``noncausal_multiply``,
+``square_state``, ``square_apply``, ``apply_state``; ``cumsum_lt_multiply`` stays.
 """
 
-from .chunked import (
+from .cumsum import MAX_SQUARE_CUMSUM_ELEMENTS, cumsum_lt_multiply
+from .dispatch import enable_triton
+from .kernel import ALGORITHMS, kernel_attention, linear_attention
+from .legacy import (
     apply_state,
     chunked_lt_multiply,
     chunked_lt_multiply_with_sums,
@@ -23,9 +31,8 @@ from .chunked import (
     square_apply,
     square_state,
 )
-from .cumsum import MAX_SQUARE_CUMSUM_ELEMENTS, cumsum_lt_multiply
-from .kernel import ALGORITHMS, kernel_attention, linear_attention
 from .mixed import LOCAL_KERNELS, mixed_attention, naive_mixed_attention
+from .mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
 from .naive import (
     DEFAULT_EPS,
     causal_mask,
@@ -34,7 +41,9 @@ from .naive import (
     softmax_attention,
     stabilize_denominator,
 )
-from .recurrent import LinearAttentionState, linear_attention_step
+from .pairs import PairFeatures, pair_dim, state_dim
+from .recurrent import linear_attention_step
+from .state import LinearAttentionState, dense_to_pair_state, pair_to_dense_state
 
 __all__ = [
     "ALGORITHMS",
@@ -42,21 +51,30 @@ __all__ = [
     "DEFAULT_EPS",
     "MAX_SQUARE_CUMSUM_ELEMENTS",
     "LinearAttentionState",
+    "MixedAttentionState",
+    "PairFeatures",
     "apply_state",
     "causal_mask",
     "chunked_lt_multiply",
     "chunked_lt_multiply_with_sums",
     "cumsum_lt_multiply",
+    "dense_to_pair_state",
+    "enable_triton",
     "kernel_attention",
     "linear_attention",
     "linear_attention_step",
     "mixed_attention",
+    "mixed_attention_state",
+    "mixed_attention_step",
     "naive_mixed_attention",
     "naive_linear_attention",
     "noncausal_multiply",
+    "pair_dim",
+    "pair_to_dense_state",
     "polynomial_attention",
     "softmax_attention",
     "square_apply",
     "square_state",
     "stabilize_denominator",
+    "state_dim",
 ]

@@ -1,10 +1,11 @@
 """Block lower-triangular linear attention with a backward that recomputes (Theorem 3.1).
 
-This is the ``"chunked_blocks"`` algorithm of ``linear_attention`` (the accelerator layout:
-every block at once, no per-block Python loop, no host sync, ``torch.compile`` traces it) and
-the training path of ``"chunked_scan"`` on CPU (the same math over groups of blocks under a
-byte budget). Both are one ``torch.autograd.Function`` whose backward recomputes the per-block
-scores and features instead of storing them.
+This is the backend ``"chunked_blocks"`` of ``linear_attention`` (the accelerator layout:
+every block at once, no per-block Python loop, no host sync, ``torch.compile`` traces it), the
+training path of ``"chunked_scan"`` on CPU (the same math over groups of blocks under a byte
+budget) and the core of ``mixed_attention``. All are one ``torch.autograd.Function`` whose
+backward recomputes the per-block scores and features instead of storing them. The group
+budget is the dispatcher's (``polysketch.ops.dispatch``).
 
 Notation (PolySketchFormer §3, Figure 4): blocks n of b rows, A = φq, B = φk (..., T, F),
 C̃ = [C 1] (..., T, E+1) (the ones column gives the normalizer from the same GEMMs, §4), and
@@ -12,7 +13,7 @@ the local score inputs Â, B̂ (= A, B for linear attention; the raw q, k for mi
 
     out_n = lt((Â_n B̂_nᵀ)^{∘p}) C̃_n + Ψq(A_n) P_n,     P_n = P_0 + Σ_{m<n} Ψ(B_m)ᵀ C̃_m
 
-with p = 2 and the pair features Ψ = ψ, Ψq = ψ·ω of ``chunked._PairFeatures`` for squared
+with p = 2 and the pair features Ψ = ψ, Ψq = ψ·ω of ``polysketch.ops.pairs`` for squared
 scores ((x·y)² = Σ ω ψ(x) ψ(y), about F²/2 per token instead of F²), p = 1 and Ψ = Ψq = id
 for plain scores. The exclusive prefix P_n is P_0 plus a cumsum of the earlier states (never a
 cumsum minus the own state, so a row never sees a later token, not even through rounding).
@@ -24,10 +25,13 @@ Backward, with dÕ = [dout drow] per block (the normalizer's gradient rides in t
     states:  dS_m = R + Σ_{n>m} dP_n (R: the final state's gradient),  dΨ(B_m) = C̃_m dS_mᵀ,
              dC̃_m += Ψ(B_m) dS_m,  dP_0 = R + Σ_n dP_n,
 
-then back through Ψ (``_PairFeatures.backward``). Stored for the backward: the inputs and the
+then back through Ψ (``PairFeatures.backward``). Stored for the backward: the inputs and the
 per-block prefixes P_n (n·F'·(E+1)); the b×b scores and the T×F' features are recomputed.
 
-Precision: operands of every GEMM are in the operand dtype (``_checks.operand_dtype``: half
+The state P (..., F', E+1) is [N Z] of ``polysketch.ops.state``'s layout side by side, so
+states go in and out of ``lt_multiply`` without conversion.
+
+Precision: operands of every GEMM are in the operand dtype (``dispatch.operand_dtype``: half
 on accelerators for bf16/fp16 inputs, so tensor cores run with fp32 accumulation); scores are
 raised to p, masked and summed, states and prefixes accumulated, in the accumulation dtype
 (fp32 for half inputs, else the input dtype). Outputs are in the accumulation dtype.
@@ -39,39 +43,16 @@ import torch
 import torch.nn.functional as nnf
 
 from .._checks import compute_dtype
-from .chunked import _PairFeatures
+from .pairs import PairFeatures, state_dim
 
-__all__ = [
-    "ACCELERATOR_GROUP_BYTES",
-    "blocks_lt_multiply",
-    "state_dim",
-    "group_blocks_for",
-    "CPU_GROUP_BYTES",
-    "group_bytes_for",
-]
-
-CPU_GROUP_BYTES = 4 * 2**20
-"""Temporaries budget per group of blocks on CPU (the training path of ``chunked_scan`` and
-mixed attention): groups stay in cache; on accelerators all blocks run at once."""
-
-
-ACCELERATOR_GROUP_BYTES = 2**30
-"""Temporaries budget per group on accelerators: all blocks at once up to it (B·H = 12, D = 64,
-r = 32 squared, b = 256: ~46 MB per block, so one group to ~5.5k tokens, 11 groups at 64k),
-so peak memory stays bounded at long T while each kernel is still a large batched one (a
-handful of iterations, not the CPU scan's many small groups; no host sync either way)."""
-
-
-def group_bytes_for(device: torch.device) -> int:
-    """``CPU_GROUP_BYTES`` on CPU, ``ACCELERATOR_GROUP_BYTES`` on other devices."""
-    return CPU_GROUP_BYTES if device.type == "cpu" else ACCELERATOR_GROUP_BYTES
+__all__ = ["blocks_lt_multiply", "lt_multiply", "state_dim", "group_blocks_for"]
 
 
 class _StateSpace:
     """Ψ (keys) and Ψq (queries) of the block states: identity, or pair features ψ, ψ·ω."""
 
     def __init__(self, f: int, square: bool, like: torch.Tensor):
-        self.pairs = _PairFeatures(f, like) if square else None
+        self.pairs = PairFeatures(f, like) if square else None
         self.dim = self.pairs.dim if square else f
 
     def keys(self, b: torch.Tensor) -> torch.Tensor:
@@ -87,11 +68,6 @@ class _StateSpace:
         if self.pairs is None:
             return grad
         return self.pairs.backward(a, grad * self.pairs.omega.to(grad.dtype))
-
-
-def state_dim(f: int, square: bool) -> int:
-    """F' of the block states: F (plain) or F(⌊F/2⌋+1) pair features (square)."""
-    return f * (f // 2 + 1) if square else f
 
 
 def group_blocks_for(
@@ -289,3 +265,31 @@ def blocks_lt_multiply(
     return _BlockAttention.apply(
         a, b, c, initial, local_q, local_k, power, chunk_size, group, square
     )
+
+
+def lt_multiply(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    square: bool,
+    chunk_size: int,
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+    group_bytes: int | None,
+):
+    """The backend contract (``polysketch.ops.dispatch``): (num, den, state) by the block function.
+
+    Shapes: a, b (..., T, F), c (..., T, E) in the operand dtype, T >= 1; ``initial``
+    (N_0 (..., F', E), Z_0 (..., F')) in the accumulation dtype (it sets it) or ``None`` ->
+    num (..., T, E), den (..., T) in the accumulation dtype, and (N, Z) with ``return_state``.
+    The normalizer is the ones column of C̃ = [C 1] (§4); N and Z are the columns of P.
+    """
+    e = c.shape[-1]
+    c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+    p0 = None if initial is None else torch.cat([initial[0], initial[1].unsqueeze(-1)], dim=-1)
+    out, state = blocks_lt_multiply(
+        a, b, c, square=square, chunk_size=chunk_size, initial=p0, group_bytes=group_bytes
+    )
+    final = (state[..., :e], state[..., e]) if return_state else None
+    return out[..., :e], out[..., e], final

@@ -6,6 +6,10 @@ algorithm of ``linear_attention`` (``algorithm="cumsum"``) and a cross-check of 
 one. It materializes one state per position: (..., T, F, E) floats, or (..., T, F, F, E) with
 ``square=True``; the square case is refused beyond ``MAX_SQUARE_CUMSUM_ELEMENTS`` elements
 (use ``algorithm="chunked"``, which never stores per-position states).
+
+As the cross-check of the other backends it forms the dense F×F square states (not the pair
+features ψ of the others): ``lt_multiply``, the backend contract, converts its states from and
+to the pair layout of ``polysketch.ops.state`` at the boundary (``pairs.expand``/``compress``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import math
 
 import torch
 
-__all__ = ["MAX_SQUARE_CUMSUM_ELEMENTS", "cumsum_lt_multiply"]
+from .pairs import compress, expand
+
+__all__ = ["MAX_SQUARE_CUMSUM_ELEMENTS", "cumsum_lt_multiply", "lt_multiply"]
 
 MAX_SQUARE_CUMSUM_ELEMENTS = 2**27
 """Largest (..., T, F, F, E) per-position state the square cumsum path will build (512 MiB fp32)."""
@@ -56,3 +62,35 @@ def cumsum_lt_multiply(
         d = d + initial.unsqueeze(-3)
     out = (a.unsqueeze(-2) @ d).squeeze(-2)
     return out, d.select(-3, -1)
+
+
+def lt_multiply(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    square: bool,
+    chunk_size: int,
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+    group_bytes: int | None = None,
+):
+    """The backend contract (``polysketch.ops.dispatch``): (num, den, state) by prefix sums.
+
+    The normalizer is the last column of the product with [C 1] (§4). Shapes as
+    ``polysketch.ops.chunked.lt_multiply``; ``chunk_size`` and ``group_bytes`` are unused.
+    """
+    f, e = a.shape[-1], c.shape[-1]
+    c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+    init = None
+    if initial is not None:
+        init = torch.cat([initial[0], initial[1].unsqueeze(-1)], dim=-1)
+        if square:
+            init = expand(init, f)
+    out, state = cumsum_lt_multiply(a, b, c, square=square, initial=init)
+    final = None
+    if return_state:
+        if square:
+            state = compress(state)
+        final = (state[..., :e], state[..., e])
+    return out[..., :e], out[..., e], final

@@ -36,12 +36,12 @@ from .._checks import (
     check_same_dtype_device,
     check_tensor,
     compute_dtype,
-    operand_dtype,
 )
 from ._validate import check_bool, check_offset_eps
-from .blocks import blocks_lt_multiply, group_bytes_for
-from .chunked import apply_state, square_state
+from .blocks import blocks_lt_multiply
+from .dispatch import group_bytes_for, operand_dtype
 from .naive import DEFAULT_EPS, stabilize_denominator
+from .pairs import PairFeatures
 
 __all__ = ["mixed_attention", "naive_mixed_attention", "LOCAL_KERNELS"]
 
@@ -119,11 +119,11 @@ def mixed_attention(
 
     Block algorithm of PolySketchFormer Fig. 4 / Theorem 3.1 with the diagonal blocks replaced
     by exact scores, all blocks at once (no Python loop over blocks): with N = ⌈T/b⌉ blocks,
-    the block states S_n = Σ_{j∈blk n} φk_jᵀ Ṽ_j ((..., F, E+1), or Σ φk_j⊗φk_j⊗Ṽ_j of shape
-    (..., F, F, E+1) when ``square``; Ṽ = [V 1]) are prefix-summed over n < m and read by
-    the queries of block m, reusing ``polysketch.ops.chunked.square_state`` / ``apply_state``
-    (the F² features are never built). Cost O(T b (D + E) + T F' E) with F' = F or F²;
-    memory O(N F' E + T b).
+    the block states S_n = Σ_{j∈blk n} Ψ(φk_j)ᵀ Ṽ_j ((..., F', E+1), Ṽ = [V 1]; Ψ the
+    identity, or the pair features ψ of ``polysketch.ops.pairs`` when ``square``, F' =
+    F(⌊F/2⌋+1), never the F² features) are prefix-summed over n < m and read by the queries
+    of block m through Ψq. Cost O(T b (D + E) + T F' E); memory O(N F' E + T b). Decoding:
+    ``polysketch.ops.mixed_step``.
 
     Args:
         q, k: (..., T, D) queries and keys for the local exact scores.
@@ -183,10 +183,13 @@ def mixed_attention(
     # Global part: exclusive prefix sum over blocks of the states φk_nᵀ Ṽ_n (Fig. 4); block n
     # reads the sum of the states of blocks 0..n-1 (the last block's state is never needed).
     if n_blocks > 1:
+        pairs = PairFeatures(fq.shape[-1], fq) if square else None
         fk_prev, vb_prev = fk[..., :-1, :, :], vb[..., :-1, :, :]
-        states = square_state(fk_prev, vb_prev) if square else fk_prev.transpose(-1, -2) @ vb_prev
-        prefix = states.cumsum(-4 if square else -3)  # (..., N-1, F[, F], E+1)
-        num_global = apply_state(fq[..., 1:, :, :], prefix, square=square)  # (..., N-1, b, E+1)
+        if square:
+            fk_prev = pairs.features(fk_prev)
+        prefix = (fk_prev.transpose(-1, -2) @ vb_prev).cumsum(-3)  # (..., N-1, F', E+1)
+        fq_next = pairs.queries(fq[..., 1:, :, :]) if square else fq[..., 1:, :, :]
+        num_global = fq_next @ prefix  # (..., N-1, b, E+1)
         num = torch.cat([num[..., :1, :, :], num[..., 1:, :, :] + num_global], dim=-3)
 
     num = num.flatten(-3, -2)[..., :T, :]

@@ -4,16 +4,15 @@ FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is
 bound), for ``chunked_lt_multiply_with_sums`` (the normalizer as row/key sums beside the
 product, §4) with N = ⌈T/b⌉ blocks of b rows, M = N - 1 blocks that write (no final state is
 built) and read (the first block reads nothing) a state, F features, value width E and F'
-the state features per token: F plain; with ``square`` F(⌊F/2⌋+1) symmetric pair products
-when F <= E and T >= 64 (F² below 64 tokens), which the code builds explicitly (2 N b F'
-multiplies), else F² contracted one factor at a time::
+the state features per token: F plain; with ``square`` the F(⌊F/2⌋+1) symmetric pair
+products ψ (``ops.pairs``), which the code builds explicitly (2 N b F' multiplies)::
 
     2 N b² F  +  2 N b² E  [+ N b² square]  +  N b² row sums         local lt blocks
     [+ 2 N b F' explicit square features of q and k]
-    + 2 M b F' E  [+ M b F E one factor at a time]                   block states
+    + 2 M b F' E                                                     block states
     + M F' E                                                         running state
-    + 2 M b F' E  [+ 2 M b F E one factor at a time]                 queries read the state
-    + 3 M b F  (plain: Σ B, A·z)  or  4 M b F² + 2 M b F  (square: Σ BᵀB, A Z Aᵀ)  key sums
+    + 2 M b F' E                                                     queries read the state
+    + 3 M b F'  (Σ Ψ(B), Ψq(A)·z)                                    key sums
     + T E                                                            normalisation
 
 and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
@@ -21,7 +20,8 @@ and for causal SDPA the useful work T² (D + E) (half of 2T²D + 2T²E).
 Peak memory: with CUDA the measured ``torch.cuda.max_memory_allocated`` delta of the call;
 on CPU an ANALYTIC estimate (in MiB) of the tensors alive at the peak of the call: for ours
 inputs 3TD, features 2TF, values and output 2TE, row sums T, carried state F'(E+1), plus
-one group of blocks of the scan (its temporaries are bounded by ``ops.chunked.GROUP_BYTES``);
+one group of blocks of the scan (its temporaries are bounded by
+``ops.dispatch.CPU_GROUP_BYTES``);
 for
 SDPA inputs and output 4TD plus, when its math backend is chosen, the 2T² score/probability
 matrices (the fused CPU flash kernel stores no T×T matrix).
@@ -31,7 +31,9 @@ would exceed it (reported ``skipped (memory)``), whatever backend would have run
 
 from __future__ import annotations
 
-from ...ops.chunked import GROUP_BYTES, SYMMETRIC_MIN_LENGTH, _block_elements
+from ...ops.chunked import _block_elements
+from ...ops.dispatch import CPU_GROUP_BYTES as GROUP_BYTES
+from ...ops.pairs import state_dim
 
 __all__ = ["chunked_flops", "sdpa_flops", "chunked_memory", "sdpa_memory"]
 
@@ -40,32 +42,21 @@ def chunked_flops(t: int, *, feature_dim: int, value_dim: int, chunk_size: int, 
     """FLOPs executed by causal normalized ``linear_attention`` (chunked) per (batch, head) slice.
 
     Counts the work the implementation does (module docstring): the normalizer as row and key
-    sums beside the E-wide product (``chunked_lt_multiply_with_sums``); with ``square`` and
-    F <= E the per-token features are built explicitly, as the F(⌊F/2⌋+1) symmetric pair
-    products from ``SYMMETRIC_MIN_LENGTH`` tokens on (else F²); with F > E one factor at a
-    time. No final state is built (the forward returns none), and the first block reads no
-    state.
+    sums beside the E-wide product (``ops.chunked``); with ``square`` the per-token features
+    are built explicitly, as the F(⌊F/2⌋+1) symmetric pair products. No final state is built
+    (the forward returns none), and the first block reads no state.
     """
     b = min(chunk_size, t)
     n = -(-t // b)
     m = n - 1  # blocks that write a state (all but the last) and read one (all but the first)
     f, e = feature_dim, value_dim
     local = 2 * n * b * b * f + 2 * n * b * b * e + (n * b * b if square else 0)
-    if not square:
-        fe, build, extra_states, extra_apply = f, 0, 0, 0
-    elif f <= e:  # explicit (pair) features of q and k
-        fe = f * (f // 2 + 1) if t >= SYMMETRIC_MIN_LENGTH and f > 2 else f * f
-        build, extra_states, extra_apply = 2 * n * b * fe, 0, 0
-    else:  # one factor at a time
-        fe, build = f * f, 0
-        extra_states, extra_apply = m * b * f * e, 2 * m * b * f * e
-    # normalizer: row sums of the local scores; key sums Σ B (plain) or Σ BᵀB (square); reads
-    # A·z or A Z Aᵀ
-    sums = n * b * b + (
-        2 * m * b * f * f + 2 * m * b * f * f + 2 * m * b * f if square else 3 * m * b * f
-    )
-    states = 2 * m * b * fe * e + extra_states
-    apply = 2 * m * b * fe * e + extra_apply
+    fe = state_dim(f, square)
+    build = 2 * n * b * fe if square else 0  # explicit pair features of q and k
+    # normalizer: row sums of the local scores; key sums Σ Ψ(B); reads Ψq(A)·z
+    sums = n * b * b + 3 * m * b * fe
+    states = 2 * m * b * fe * e
+    apply = 2 * m * b * fe * e
     return local + build + sums + states + m * fe * e + apply + t * e
 
 
@@ -78,17 +69,11 @@ def chunked_memory(t, *, d, f, e, chunk, square, slices: int = 1) -> int:
     """Bytes alive at the peak of the group scan over ``slices`` (batch·head) slices (fp32)."""
     b = min(chunk, t)
     n = -(-t // b)
-    expand = square and f <= e  # ops.chunked builds the square features explicitly
     ec = e
-    if not square:
-        fs = f
-    elif expand and t >= SYMMETRIC_MIN_LENGTH and f > 2:
-        fs = f * (f // 2 + 1)
-    else:
-        fs = f * f
+    fs = state_dim(f, square)  # ops.chunked builds the square (pair) features explicitly
     # inputs, features, values, output and row sums; carried state and key sums
     resident = 4 * slices * (3 * t * d + 2 * t * f + 2 * t * ec + t + fs * (ec + 1))
-    per_block = 4 * slices * _block_elements(b, f, ec, fs, square=square, expand=expand)
+    per_block = 4 * slices * _block_elements(b, f, ec, fs, square=square, expand=square)
     group = max(1, min(n, GROUP_BYTES // max(1, per_block)))  # blocks per group (ops.chunked)
     return resident + group * per_block
 

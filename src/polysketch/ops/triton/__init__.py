@@ -24,6 +24,7 @@ import torch
 from ._validate import check_decode_inputs, check_inputs, interpreting
 
 __all__ = [
+    "lt_multiply",
     "available",
     "unsupported_reason",
     "decode_unsupported_reason",
@@ -70,7 +71,7 @@ def decode_unsupported_reason(phi_q, phi_k, v, numerator, denominator, *, square
 
 def triton_lt_multiply_with_sums(
     a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
-    segment_length: int | None = None,
+    segment_length: int | None = None, sms: int | None = None,
 ):  # fmt: skip
     """num = lt((A Bᵀ)^{∘q}) C and row_sums = lt((A Bᵀ)^{∘q}) 1, q = 2 if ``square`` else 1.
 
@@ -84,8 +85,11 @@ def triton_lt_multiply_with_sums(
     state carried on chip (see ``_forward``, ``_backward``); with ``layout="split"`` T is cut
     into segments of ``segment_length`` tokens L whose states are computed in parallel, summed
     over the earlier segments (a prefix sum), and each segment then runs that pass from its
-    prefix (``_layout``). ``"auto"`` (default) splits on CUDA only, when the sequential grid
-    BH·(E/BE)·NS is below the SM count and T >= 2·L; ``"sequential"`` never. L defaults to
+    prefix (``_layout``). ``"auto"`` (default) splits only given the GPU's multiprocessor
+    count ``sms`` (``polysketch.ops.dispatch.multiprocessor_count``, which the dispatcher
+    passes), when the sequential grid BH·(E/BE)·NS is below it and T >= 2·L; ``"sequential"``
+    never. ``sms`` also sizes NS (``_config.slice_groups``); None (the default, and under the
+    interpreter): NS = 1 and no automatic split. L defaults to
     the smallest 1024·2^k whose fp32 segment states stay within 256 MiB; a given
     ``segment_length`` is rounded up to a multiple of BT; T <= L runs the sequential pass.
     Neither layout has been timed on a GPU (``benchmarks/triton_layouts.py`` times both).
@@ -101,16 +105,34 @@ def triton_lt_multiply_with_sums(
 
     return lt_multiply_with_sums(
         a, b, c, square=square, chunk_size=chunk_size, layout=layout,
-        segment_length=segment_length,
+        segment_length=segment_length, sms=sms,
     )  # fmt: skip
 
 
-def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
-    """One decoding step: N' = N + Φ(k)⊗v, Z' = Z + Φ(k), num = Φ(q)·N', den = Φ(q)·Z'.
+def lt_multiply(
+    a, b, c, *, square: bool, chunk_size: int, initial=None, return_state: bool = False,
+    group_bytes=None, sms: int | None = None,
+):  # fmt: skip
+    """The backend contract (``polysketch.ops.dispatch``): (num, den, None).
 
-    Φ(x) = x, or x⊗x with ``square`` (never formed). Shapes: phi_q, phi_k (..., 1, F),
-    v (..., 1, E); numerator N (..., F, E) or (..., F, F, E), denominator Z (..., F) or
-    (..., F, F), fp32 (``LinearAttentionState`` layout) -> num (..., 1, E), den (..., 1),
+    The fused kernels neither take nor return a state (the backend table declares it, so the
+    dispatcher never passes one): ``initial`` must be ``None`` and ``return_state`` False.
+    ``group_bytes`` is unused; ``sms`` the GPU's multiprocessor count (the dispatcher's). See
+    ``triton_lt_multiply_with_sums``.
+    """
+    if initial is not None or return_state:
+        raise ValueError("the Triton kernels take no initial state and return none")
+    num, den = triton_lt_multiply_with_sums(a, b, c, square=square, chunk_size=chunk_size, sms=sms)
+    return num, den, None
+
+
+def triton_decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
+    """One decoding step: N' = N + Ψ(k)⊗v, Z' = Z + Ψ(k), num = Ψq(q)·N', den = Ψq(q)·Z'.
+
+    Ψ = Ψq = identity, or with ``square`` the pair features ψ and ω ⊙ ψ (``ops.pairs``, never
+    formed in memory). Shapes: phi_q, phi_k (..., 1, F), v (..., 1, E); numerator N (..., F', E),
+    denominator Z (..., F') fp32 with F' = F, or F(⌊F/2⌋+1) with ``square`` (the
+    ``LinearAttentionState`` layout) -> num (..., 1, E), den (..., 1),
     N', Z' (new fp32 tensors; the inputs are not modified). The new token sees itself, as in
     ``linear_attention_step(..., normalize=False)``. No autograd: inputs that require grad
     are refused (ValueError).

@@ -18,7 +18,6 @@ plain configurations (up to 3x). At 8 warps (an autotune choice) half kernels sp
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -60,7 +59,7 @@ def block_e(f: int, e: int, *, square: bool, element_size: int) -> int:
 
 
 def slice_groups(
-    bh: int, t: int, f: int, e: int, device: torch.device, *, square: bool, element_size: int
+    bh: int, t: int, f: int, e: int, sms: int | None, *, square: bool, element_size: int
 ) -> int:
     """NS, the groups the F square-state slices are split into across programs (1 when plain).
 
@@ -69,11 +68,11 @@ def slice_groups(
     summed afterwards in a fixed order (deterministic): NS·BH·T·E·4 bytes of numerator in the
     forward, NS·BH·T·(2·(E/BE)·F + E)·4 bytes of dA, dB, dC in the backward, capped together
     at ``PARTIAL_BYTES``. Grows NS (powers of two, at most 8 and F) until the grid covers the
-    GPU's SMs; 1 on CPU (the interpreter).
+    GPU's ``sms`` multiprocessors (``polysketch.ops.dispatch.multiprocessor_count``); 1 when
+    ``sms`` is None (no GPU: the interpreter).
     """
-    if not square or device.type != "cuda":
+    if not square or sms is None:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     ne = triton.cdiv(e, block_e(f, e, square=True, element_size=element_size))
     per_group = bh * t * (2 * ne * f + e) * 4
     ns = 1

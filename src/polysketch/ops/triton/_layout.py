@@ -41,14 +41,15 @@ LAYOUTS = ("sequential", "split", "auto")
 
 def choose_segment(
     layout: str, *, bh: int, t: int, f: int, e: int, bt: int, grid: int, square: bool,
-    device: torch.device, requested: int | None = None,
+    sms: int | None, requested: int | None = None,
 ) -> int | None:  # fmt: skip
     """The segment length L of the split layout, or None for the sequential pass.
 
     ``grid``: programs of the sequential pass, BH·(E/BE)·NS. ``"split"`` gives L
     (``_config.segment_length``, or ``requested`` rounded up to a multiple of BT) unless
-    T <= L (one segment: the sequential pass); ``"auto"`` splits on CUDA when ``grid`` is
-    below the SM count and T >= 2·L, and never on CPU (the interpreter) unless forced.
+    T <= L (one segment: the sequential pass); ``"auto"`` splits when ``grid`` is below the
+    GPU's ``sms`` multiprocessors and T >= 2·L, and never when ``sms`` is None (no GPU: the
+    interpreter) unless forced.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -58,10 +59,7 @@ def choose_segment(
     if t <= seg:
         return None
     if layout == "auto":
-        if device.type != "cuda":
-            return None
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if grid >= sms or t < 2 * seg:
+        if sms is None or grid >= sms or t < 2 * seg:
             return None
     return seg
 

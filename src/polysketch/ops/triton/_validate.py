@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from ..pairs import state_dim
+
 __all__ = [
     "SQUARE_FEATURE_DIMS",
     "PLAIN_FEATURE_DIMS",
@@ -126,10 +128,10 @@ def check_decode_inputs(phi_q, phi_k, v, numerator, denominator, *, square):
         return ValueError, f"phi_q must have a feature dim F in {dims} (square={square}), got F={f}"
     if e not in VALUE_DIMS:
         return ValueError, f"v must have a value dim E in {VALUE_DIMS}, got E={e}"
-    fs = (f, f) if square else (f,)
+    fs = state_dim(f, square)
     for name, x, want in (
-        ("numerator", numerator, (*lead, *fs, e)),
-        ("denominator", denominator, (*lead, *fs)),
+        ("numerator", numerator, (*lead, fs, e)),
+        ("denominator", denominator, (*lead, fs)),
     ):
         if x.dtype != torch.float32:
             return TypeError, f"{name} must be float32 (the state dtype), got {x.dtype}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pairs import state_dim
 from ._backward import backward
 from ._config import block_e, block_t, slice_groups
 from ._decode import decode
@@ -44,10 +45,11 @@ def _raise(problem) -> None:
 
 def lt_multiply_with_sums(
     a, b, c, *, square: bool, chunk_size: int = 64, layout: str = "auto",
-    segment_length: int | None = None, groups: int | None = None,
+    segment_length: int | None = None, groups: int | None = None, sms: int | None = None,
 ):  # fmt: skip
     """See ``polysketch.ops.triton.triton_lt_multiply_with_sums``; ``groups`` overrides the
-    number of slice groups NS of the square state (``_config.slice_groups``; tests)."""
+    number of slice groups NS of the square state (``_config.slice_groups``; tests); ``sms``
+    the GPU's multiprocessor count (None: no GPU, as under the interpreter)."""
     _raise(check_inputs(a, b, c, square=square))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -55,7 +57,7 @@ def lt_multiply_with_sums(
     flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
     bh = flat[0].shape[0]
     if groups is None:
-        groups = slice_groups(bh, t, f, e, a.device, square=square, element_size=a.element_size())
+        groups = slice_groups(bh, t, f, e, sms, square=square, element_size=a.element_size())
     elif not (square and isinstance(groups, int) and groups >= 1 and f % groups == 0):
         raise ValueError(f"groups must divide F={f} (square only), got {groups!r}")
     if layout not in LAYOUTS:
@@ -70,7 +72,7 @@ def lt_multiply_with_sums(
     be = block_e(f, e, square=square, element_size=a.element_size())
     segment = choose_segment(
         layout, bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * -(-e // be) * groups, square=square,
-        device=a.device, requested=segment_length,
+        sms=sms, requested=segment_length,
     )  # fmt: skip
     num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups, segment)
     return num.reshape(*lead, t, e), rs.reshape(*lead, t)
@@ -80,15 +82,15 @@ def decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
     """See ``polysketch.ops.triton.triton_decode_step``."""
     _raise(check_decode_inputs(phi_q, phi_k, v, numerator, denominator, square=square))
     lead, f, e = phi_q.shape[:-2], phi_q.shape[-1], v.shape[-1]
-    fs = (f, f) if square else (f,)
+    fs = state_dim(f, square)
     q, k = (x.reshape(-1, f).contiguous() for x in (phi_q, phi_k))
     vv = v.reshape(-1, e).contiguous()
-    n = numerator.reshape(-1, *fs, e).contiguous()
-    z = denominator.reshape(-1, *fs).contiguous()
+    n = numerator.reshape(-1, fs, e).contiguous()
+    z = denominator.reshape(-1, fs).contiguous()
     num, den, n2, z2 = decode(q, k, vv, n, z, square=square)
     return (
         num.reshape(*lead, 1, e),
         den.reshape(*lead, 1),
-        n2.reshape(*lead, *fs, e),
-        z2.reshape(*lead, *fs),
+        n2.reshape(*lead, fs, e),
+        z2.reshape(*lead, fs),
     )

@@ -1,0 +1,85 @@
+"""What every sub-command of ``benchmarks/long_context.py`` shares: options, errors, headers.
+
+Each table writes CSV + PNG + a markdown table into ``--out`` (default
+``docs/results/long_context/TABLE``; with ``--smoke``, ``runs/long_context_smoke/TABLE`` so a
+smoke run never touches stored results), shows tqdm progress (``--no-progress`` hides it),
+continues an earlier run with ``--reuse`` (rows already in the CSV are skipped) and refuses to
+overwrite one without ``--overwrite``. Errors in the options print
+``long_context.py CMD: error: ...`` to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_common", "out_dir", "guarded", "command_line", "header"]
+
+
+def add_common(parser: argparse.ArgumentParser, table: str) -> None:
+    """The options every table takes."""
+    parser.add_argument(
+        "--out", default=None,
+        help=f"folder for the CSV, PNG and markdown (default docs/results/long_context/{table}; "
+        f"with --smoke runs/long_context_smoke/{table})",
+    )  # fmt: skip
+    parser.add_argument("--reuse", action="store_true", help="continue: skip rows in the CSV")
+    parser.add_argument("--overwrite", action="store_true", help="start the CSV over")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds), for tests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.set_defaults(table=table)
+
+
+def out_dir(args) -> Path:
+    """``--out``, or the table's default folder."""
+    if args.out:
+        return Path(args.out)
+    root = "runs/long_context_smoke" if args.smoke else "docs/results/long_context"
+    return Path(root) / args.table
+
+
+def command_line(argv) -> str:
+    """The command that reproduces this table, for the markdown header (``--reuse`` and
+    ``--overwrite`` dropped: they do not change the rows)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv)
+            if a not in ("--reuse", "--overwrite")]  # fmt: skip
+    return "python benchmarks/long_context.py " + shlex.join(args)
+
+
+def header(title: str, argv, *, cpu_s: float, extra: list[str] = (), resumable: bool = True) -> str:
+    """The markdown header: title, command, threads and CPU time (of the CSV's rows, or of
+    this run when the output is not a resumable table)."""
+    note = " (add `--reuse` to continue a stopped run)" if resumable else ""
+    what = "of the rows in the CSV" if resumable else "of this run"
+    lines = [
+        f"# {title}",
+        "",
+        f"Command: `{command_line(argv)}`{note}",
+        "",
+        f"Torch threads: {torch.get_num_threads()}. CPU time {what}: "
+        f"{cpu_s:.0f} s ({cpu_s / 3600:.2f} CPU-hours). Written {time.strftime('%Y-%m-%d')}.",
+    ]
+    for line in extra:
+        lines += ["", line]
+    return "\n".join(lines) + "\n"
+
+
+def guarded(run, args, argv) -> int:
+    """``run(args, argv)``, turning a ValueError/TypeError/FileNotFoundError into an
+    ``error:`` line on stderr and exit status 2."""
+    try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        return run(args, argv)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"long_context.py {args.table}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,53 @@
+"""Long context (issue 21 §1): does an attention use what lies far back? One table per
+sub-command, each writing CSV + PNG + a markdown table to ``--out`` (default
+``docs/results/long_context/TABLE``), resumable with ``--reuse``, with a seconds-long
+``--smoke`` mode that the tests run.
+
+Sub-commands (``python benchmarks/long_context.py CMD --help``):
+
+  retrieval   kernel-level weight on the matching key among t = 64 … 64k keys
+  repeat      repeat (copy) probe: loss on a passage's recurrence vs its first occurrence,
+              the counterfactual and the global-part ablation; also the softmax budget
+  positions   loss by position bucket on long documents; extrapolation past the train length
+  mqar        long-range MQAR: every query farther from its key than any exact local window
+  timing      seconds per training step of the planned model sizes, per attention
+
+The experiments live in ``benchmarks/experiments/long_context/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from experiments.long_context import (  # noqa: E402
+    mqar_cli,
+    positions_cli,
+    repeat_cli,
+    retrieval_cli,
+    timing_cli,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="long_context.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli):
+        module.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""benchmarks/long_context.py: every sub-command in smoke mode, resumption, errors."""
+
+import csv
+
+import long_context
+import pytest
+
+from polysketch.nn import TransformerConfig
+from polysketch.train import TrainConfig, train
+
+SMOKE = {
+    "retrieval": ["--attentions", "softmax", "psf_random", "hedgehog", "taylor"],
+    "repeat": ["--attentions", "softmax", "psf_mixed", "--probe-every", "1"],
+    "positions": ["--attentions", "softmax", "psf_mixed"],
+    "mqar": [],
+    "timing": ["--attentions", "softmax", "psf_random"],
+}
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("command", list(SMOKE))
+def test_subcommand_smoke_writes_tables_and_resumes(command, tmp_path, capsys):
+    out = tmp_path / command
+    argv = [command, "--smoke", "--no-progress", "--out", str(out), *SMOKE[command]]
+    assert long_context.main(argv) == 0
+    for suffix in ("csv", "md", "png"):
+        assert (out / f"{command}.{suffix}").stat().st_size > 0
+    rows = _rows(out / f"{command}.csv")
+    assert rows
+    md = (out / f"{command}.md").read_text()
+    assert "long_context.py " + command in md and "CPU" in md
+    if command == "repeat":
+        by = {r["attention"]: r for r in rows}
+        assert by["psf_mixed"]["ablated_drop"] != "" and by["softmax"]["ablated_drop"] == ""
+        curve = _rows(out / "repeat_curve.csv")  # probed after steps 1, 2 and at the end (3)
+        assert sorted((r["attention"], int(r["step"])) for r in curve) == sorted(
+            (a, s) for a in ("softmax", "psf_mixed") for s in (1, 2, 3)
+        )
+        final = next(r for r in curve if r["attention"] == "softmax" and r["step"] == "3")
+        assert final["drop"] == by["softmax"]["drop"]
+    capsys.readouterr()
+    # a finished table: --reuse measures nothing new; without it the CSV is not overwritten
+    assert long_context.main([*argv, "--reuse"]) == 0
+    assert _rows(out / f"{command}.csv") == rows
+    assert long_context.main(argv) == 2
+    assert f"long_context.py {command}: error:" in capsys.readouterr().err
+
+
+def test_retrieval_on_qk_captured_from_a_trained_model(tmp_path):
+    cfg = TransformerConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, attention="polynomial")
+    run = tmp_path / "model"
+    data_source = pytest.importorskip("polysketch.data.corpus")
+    try:
+        corpus = data_source.load_corpus("shakespeare", max_bytes=200_000)
+    except FileNotFoundError:
+        pytest.skip("the Shakespeare corpus is not prepared")
+    train(cfg, TrainConfig(steps=2, batch_size=2, warmup_steps=0, eval_interval=None,
+                           eval_batches=1, out_dir=str(run)), corpus, progress=False)  # fmt: skip
+    out = tmp_path / "ret"
+    argv = ["retrieval", "--smoke", "--no-progress", "--out", str(out), "--inputs", "gaussian",
+            "captured", "--checkpoint", str(run / "ckpt.pt"), "--attentions", "softmax",
+            "hedgehog", "--draws", "1"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    rows = _rows(out / "retrieval.csv")
+    heads = {r["head"] for r in rows if r["input"] == "captured"}
+    assert heads == {"layer 0 head 0", "layer 0 head 1"}
+    assert "after the q/k LayerNorm and RoPE" in (out / "retrieval.md").read_text()
+
+
+def test_bad_options_print_an_error_and_exit_2(tmp_path, capsys):
+    base = ["--smoke", "--no-progress", "--out", str(tmp_path / "x")]
+    assert long_context.main(["retrieval", *base, "--inputs", "captured"]) == 2
+    assert "--checkpoint" in capsys.readouterr().err
+    assert long_context.main(["retrieval", *base, "--attentions", "psf_mixed"]) == 2
+    assert "position-free" in capsys.readouterr().err
+    assert long_context.main(["timing", *base, "--sizes", "4by128"]) == 2
+    assert "--sizes" in capsys.readouterr().err
+    assert long_context.main(["mqar", *base, "--min-distance", "40"]) == 2
+    assert "min_distance" in capsys.readouterr().err
+
+
+def test_mqar_estimate_projects_a_run(tmp_path):
+    out = tmp_path / "est"
+    argv = ["mqar", "--smoke", "--estimate", "--estimate-steps", "1", "--out", str(out),
+            "--attentions", "softmax"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    assert "hours for" in (out / "estimate.md").read_text()
