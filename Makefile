@@ -1,4 +1,4 @@
-# make demo  - set up the virtualenv and run the main job
+# make demo  - set up the virtualenv (polysketch[dev]: test, eval and plot extras) and run the main job
 # make test  - set up the virtualenv and run the default test suite
 # make test-gpu - the CUDA-only checks (tests/gpu) on a machine with a CUDA torch
 PYTHON ?= python3

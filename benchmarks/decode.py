@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from polysketch.eval.bench_decode import (
+from polysketch.eval.bench.decode import (
     DECODE_ATTENTIONS,
     DecodeBenchConfig,
     format_decode_report,

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from polysketch.commands.linearize import linearize_saved, plot_results, write_csv, write_json
-from polysketch.commands.train import parse_map_kwargs
+from polysketch._checks import parse_key_values
 from polysketch.data.corpus import load_corpus
+from polysketch.eval.linearize_report import plot_results, write_csv, write_json, write_results
+from polysketch.integrations.transformers import LinearizeConfig, linearize_saved
 from polysketch.train.batches import CorpusBatches
 
 
@@ -160,22 +161,26 @@ def main(argv=None) -> int:
     specs = [("softmax", {})] if args.control else []
     for item in args.attentions:
         name, _, kws = item.partition(":")
-        specs.append((name, parse_map_kwargs(kws.split(",") if kws else [])))
+        items = kws.split(",") if kws else []
+        specs.append((name, parse_key_values(items, f"--attentions {item!r}")))
     all_steps = budget // (args.batch_size * args.seq_len)
     rows = []
     for attention, map_kwargs in specs:
         control = attention == "softmax"
         label = attention + "".join(f" {k}={v}" for k, v in map_kwargs.items())
-        res = linearize_saved(
-            args.work / "base", attention, "shakespeare",
-            out=args.work / label.replace(" ", "_").replace("=", "-"),
+        out = args.work / label.replace(" ", "_").replace("=", "-")
+        config = LinearizeConfig(
             seq_len=args.seq_len, batch_size=args.batch_size,
             transfer_batch_size=args.transfer_batch_size,
             transfer_steps=0 if control else transfer_steps, transfer_lr=args.transfer_lr,
             finetune_steps=all_steps if control else finetune_steps,
-            finetune_lr=args.finetune_lr, finetune=args.finetune, chunk_size=args.chunk_size,
-            seed=args.seed, map_kwargs=map_kwargs, progress=False,
+            finetune_lr=args.finetune_lr, finetune=args.finetune, seed=args.seed, progress=False,
         )  # fmt: skip
+        res = linearize_saved(
+            args.work / "base", attention, "shakespeare", config=config, save_to=out / "model",
+            chunk_size=args.chunk_size, **map_kwargs,
+        )  # fmt: skip
+        write_results([res], out)
         res["attention"] = "softmax (control: fine-tuned, not converted)" if control else label
         res["pretrain"] = base
         res["budget_fraction"] = (res["tokens_transfer"] + res["tokens_finetune"]) / base["tokens"]

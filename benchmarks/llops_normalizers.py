@@ -2,7 +2,7 @@
 
 Trains one MQAR model of ``polysketch mqar --setting llops`` (d_model 128, 2 layers, short
 convolutions) with the given attention spec for ``--steps`` steps, then reports
-``polysketch.eval.quality_diagnosis.normalizer_sign_stats`` per layer on validation
+``experiments.quality_diagnosis.normalizer_sign_stats`` per layer on validation
 sequences: the share of negative scores and normalizers, and how much of Σ|s| cancels. Step 0
 reports the freshly built model.
 
@@ -13,13 +13,18 @@ reports the freshly built model.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from polysketch.eval import mqar_sweep
-from polysketch.eval.quality_diagnosis import normalizer_sign_stats
 from polysketch.nn import TransformerLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
+
+from experiments.quality_diagnosis import normalizer_sign_stats  # noqa: E402
 
 
 def main(argv=None) -> int:

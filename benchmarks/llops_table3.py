@@ -1,14 +1,14 @@
 """LLoPS Table 3 on our models: RMAE (Eq. 21) of the PSF random sketch vs the fitted LLoPS map
 on queries/keys captured from MQAR models trained with exact polynomial attention (p = 2, 3);
-see ``polysketch.eval.llops_table3``.
+see ``experiments/llops_table3.py``.
 
 Usage: python benchmarks/llops_table3.py [--out runs/llops_table3] [--steps 2000]
        [--degrees 2 3] [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--fit-num 4096]
        [--threads N]
        [--quick] [--reuse-captures]
 
-Each (layer, head) is measured by ``polysketch approx --source TEST --fit-source FIT`` on the
-captured files (kept in ``OUT/qk/``, so any other map can be measured on them later). Writes
+Each (layer, head) is measured as ``polysketch approx --source TEST --fit-source FIT`` does, on
+the captured files (kept in ``OUT/qk/``, so any other map can be measured on them later). Writes
 ``table3.csv``, ``table3.md`` and ``table3.png`` into ``--out``. ``--reuse-captures`` skips the
 training and measures the files already in ``OUT/qk``. The defaults (README's run)
 took 52 minutes of wall time on one CPU core while another job used the other (two models of
@@ -19,11 +19,16 @@ smoke run.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from polysketch.eval.llops_table3 import SETTINGS, run
 from polysketch.eval.mqar_sweep import QUICK
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
+
+from experiments.llops_table3 import SETTINGS, run  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,11 @@
 """Validation loss of softmax vs exact polynomial vs PolySketchFormer attention (same model size,
-steps, data and seed), on the default corpus; see ``polysketch.eval.quality``.
+steps, data and seed), on the default corpus; see ``experiments/quality.py``.
 
 Usage: python benchmarks/quality.py [--steps 250] [--corpus shakespeare] [--out runs/quality]
        [--attentions softmax polynomial psf_random psf_learned] [--remedies] [--reuse]
        [--quick]
 
-``--remedies`` adds the remedies of issue #10 (``eval.quality.remedy_attentions``: psf_mixed,
+``--remedies`` adds the remedies of issue #10 (``experiments.quality.remedy_attentions``: psf_mixed,
 polynomial warm start, r = 64, the public code's one-node sketch; ``docs/quality_gap.md``).
 Each label's result is saved as it finishes (``OUT/runs/LABEL.json``, checkpoint in
 ``OUT/runs/LABEL/``); ``--reuse`` skips labels whose result is there with the same settings.
@@ -18,16 +18,22 @@ runs take about 10 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from polysketch._files import write_csv
 from polysketch.data.corpus import load_corpus
-from polysketch.eval.quality import (
+from polysketch.nn import TransformerConfig
+from polysketch.train import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
+
+from experiments.quality import (  # noqa: E402
     compare,
     default_attentions,
     format_table,
@@ -35,8 +41,6 @@ from polysketch.eval.quality import (
     quality_table,
     remedy_attentions,
 )
-from polysketch.nn import TransformerConfig
-from polysketch.train import TrainConfig
 
 
 def main(argv=None) -> int:
@@ -130,10 +134,7 @@ def main(argv=None) -> int:
     )
     print(setup)
     print(table)
-    with open(out / "quality.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "quality.csv")
     (out / "quality.md").write_text(setup + "\n\n" + table + "\n")
     (out / "curves.json").write_text(
         json.dumps({k: {"train": r["history"], "val": r["val"]} for k, r in results.items()})

@@ -7,22 +7,27 @@ Usage: python benchmarks/quality_diagnosis.py --poly-ckpt RUN/polynomial/ckpt.pt
 The checkpoints come from ``benchmarks/quality.py --out RUN`` (``RUN/runs/LABEL/ckpt.pt``) or
 ``polysketch train``. Writes into ``--out``: ``quality_diagnosis.md`` (all tables),
 ``quality_diagnosis_*.csv`` and ``quality_diagnosis.png``; see
-``polysketch.eval.quality_diagnosis`` for what each number is. A few minutes on one core.
+``experiments/quality_diagnosis.py`` for what each number is. A few minutes on one core.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from polysketch.commands.generate import load_model
+from polysketch._files import write_csv
 from polysketch.data.corpus import load_corpus
 from polysketch.eval.plots import log_axes, save_png, subplots
-from polysketch.eval.quality_diagnosis import (
+from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.train import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
+
+from experiments.quality_diagnosis import (  # noqa: E402
     capture_qkv,
     debiased_core,
     grad_norms,
@@ -32,7 +37,6 @@ from polysketch.eval.quality_diagnosis import (
     sketch_core,
     swap_loss,
 )
-from polysketch.nn import TransformerConfig, TransformerLM
 
 SKETCH = {"name": "polysketch", "nonnegative": True}
 VARIANTS = {
@@ -76,10 +80,7 @@ def _ln_rows(dim: int, g: torch.Generator, n: int = 128) -> torch.Tensor:
 
 
 def _write(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, path)
 
 
 def _md(rows: list[dict], digits: int = 3) -> str:

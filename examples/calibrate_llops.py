@@ -8,8 +8,8 @@ sketch φ(X) = Σ_r ∏_j X Θ_{j,r} with separate Θ for queries and keys (LLoP
    (``attention="polynomial"``: LayerNorm on q/k, scores (q·k)^4, quadratic in T) for a few
    steps on a built-in text.
 2. Capture the q and k that its first layer's attention core sees (after the q/k LayerNorm and
-   RoPE) with ``polysketch.eval.capture.capture_qk``; split the token positions into a fitting
-   half and a test half.
+   RoPE) with ``polysketch.eval.fidelity.capture.capture_qk``; split the token positions into a
+   fitting half and a test half.
 3. For one head, build LLoPS with m features (initialised as a polynomial sketch), measure the
    RMAE (LLoPS Eq. 21) and relative Frobenius error against (QKᵀ)^{∘4} on the test tokens,
    fit on the other tokens, measure again, and compare with the optimum: the truncated SVD of
@@ -25,13 +25,13 @@ import torch
 
 from polysketch.data.corpus import Corpus
 from polysketch.data.tokenizer import ByteTokenizer
-from polysketch.eval.capture import capture_qk, head_samples, split_tokens
 from polysketch.eval.fidelity import (
     optimal_rank_approximation,
     polynomial_target,
     relative_frobenius_error,
     rmae,
 )
+from polysketch.eval.fidelity.capture import capture_qk, head_samples, split_tokens
 from polysketch.features import create
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig, train

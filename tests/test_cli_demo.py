@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from polysketch.cli import main
-from polysketch.eval.capture import attention_layers, capture_qk, head_samples, split_tokens
-from polysketch.eval.report import Report, fmt, format_table
+from polysketch.eval.demo.report import Report
+from polysketch.eval.fidelity.capture import (
+    attention_layers,
+    capture_qk,
+    head_samples,
+    split_tokens,
+)
+from polysketch.eval.tables import fmt, format_table
 from polysketch.nn import TransformerConfig, TransformerLM
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -133,9 +139,12 @@ def test_demo_section_choice_and_missing_corpus(tmp_path):
     assert "2. Fidelity" not in md and "3. Speed" not in md
 
 
-def test_demo_rejects_bad_steps(tmp_path):
-    with pytest.raises(ValueError, match="steps"):
-        main(["demo", "--quick", "--steps", "0", "--out", str(tmp_path), "--no-progress"])
+def test_demo_rejects_bad_steps(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["demo", "--quick", "--steps", "0", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("polysketch demo: error: ") and "--steps" in err
+    assert not out.exists()  # refused before --out is touched
 
 
 # ----- capture ------------------------------------------------------------------------------
@@ -213,8 +222,9 @@ def test_report_markdown_and_html_hold_the_same_content(tmp_path):
         rep.table(["a", "b"], [[1]])
 
 
-def test_demo_refuses_a_bad_device_naming_it(tmp_path):
+def test_demo_refuses_a_bad_device_naming_it(tmp_path, capsys):
     from polysketch.cli import main
 
-    with pytest.raises(ValueError, match="device"):
-        main(["demo", "--quick", "--device", "tpu9", "--out", str(tmp_path)])
+    assert main(["demo", "--quick", "--device", "tpu9", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("polysketch demo: error: ") and "--device" in err

@@ -5,11 +5,10 @@ import json
 
 import pytest
 
+from polysketch._checks import parse_key_values
 from polysketch.cli import main
-from polysketch.commands.generate import load_model
-from polysketch.commands.train import parse_map_kwargs
 from polysketch.data.tokenizer import ByteTokenizer
-from polysketch.train import load_checkpoint
+from polysketch.train import load_checkpoint, load_model
 
 TEXT = "".join(f"To be, or not to be: that is question {i}.\n" for i in range(60))
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -203,11 +202,12 @@ def test_batch_not_divisible_by_world_size(tmp_path, text_file, capsys, monkeypa
     assert "batch_size" in capsys.readouterr().err
 
 
-def test_parse_map_kwargs_literals_and_strings():
-    got = parse_map_kwargs(["num_features=32", "nonnegative=True", "projection=srht", "s=1e-3"])
+def test_map_kw_parses_literals_and_strings():
+    items = ["num_features=32", "nonnegative=True", "projection=srht", "s=1e-3"]
+    got = parse_key_values(items, "--map-kw")  # what train and linearize do with --map-kw
     assert got == {"num_features": 32, "nonnegative": True, "projection": "srht", "s": 1e-3}
     with pytest.raises(ValueError, match="--map-kw"):
-        parse_map_kwargs(["=3"])
+        parse_key_values(["=3"], "--map-kw")
 
 
 def test_train_help_lists_options(capsys):

@@ -2,19 +2,20 @@
 
 import csv
 import math
+import time
 
 import pytest
 import torch
 
 from polysketch import cli
-from polysketch.eval.bench import chunked_flops, parse_lengths, sdpa_flops
+from polysketch.eval.bench import chunked_flops, parse_lengths, sdpa_flops, time_call
 
 
 def test_quick_bench_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     threads = torch.get_num_threads()
     # SDPA sizes are skipped only where SDPA would materialize T² scores (its math backend,
     # forced here): 0.002 GB: the 4·4·512² B = 4 MiB matrix of T = 512 is over, T <= 256 not.
-    monkeypatch.setattr("polysketch.eval.bench._sdpa_uses_math", lambda q: True)
+    monkeypatch.setattr("polysketch.eval.bench.attention._sdpa_uses_math", lambda q: True)
     argv = ["bench", "--quick", "--out", str(tmp_path), "--no-progress", "--max-memory-gb", "0.002"]
     assert cli.main(argv) == 0
     assert torch.get_num_threads() == threads  # restored after the run
@@ -159,3 +160,23 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
     assert float(rows[0]["x_softmax"]) == 1.0
     png = (tmp_path / "model_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_call_times_blocks_after_a_warm_up():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    timing = time_call(fn, min_time=0.0, min_repeats=1)
+    assert timing.repeats == 1 and len(calls) == 2  # the block-size estimate warms up
+    assert 0.002 <= timing.fastest <= timing.median < 1.0
+    calls.clear()
+    timing = time_call(fn, min_time=0.0, min_repeats=3)  # slower than min_time: timed again
+    assert timing.repeats >= 3 and len(calls) > timing.repeats
+    calls.clear()
+    timing = time_call(fn, min_time=0.1, min_repeats=1)
+    assert timing.repeats >= 5 and 0.002 <= timing.fastest <= timing.median < 0.05  # ~0.1 s
+    with pytest.raises(ValueError, match="min_repeats"):
+        time_call(fn, min_time=0.0, min_repeats=0)

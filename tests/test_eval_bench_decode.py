@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polysketch.cli import main
-from polysketch.eval.bench_decode import (
+from polysketch.eval.bench.decode import (
     DECODE_FIELDS,
     DecodeBenchConfig,
     format_decode_report,

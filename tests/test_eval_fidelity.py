@@ -8,7 +8,7 @@ import torch
 
 from conftest import rel_err
 from polysketch.eval import fidelity as fid
-from polysketch.eval.data_sources import load_qk
+from polysketch.eval.fidelity.data_sources import load_qk
 from polysketch.eval.plots import plot_fidelity_sweep
 from polysketch.features import FeatureMap
 from polysketch.random import gaussian, make_generator

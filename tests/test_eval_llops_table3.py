@@ -1,5 +1,5 @@
 """LLoPS Table 3 driver (``benchmarks/llops_table3.py``): train exact polynomial models, capture
-per-head q/k of first/middle/last layer, measure PSF and LLoPS with ``polysketch approx``."""
+per-head q/k of first/middle/last layer, measure PSF and LLoPS as ``polysketch approx`` does."""
 
 import csv
 import importlib.util
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from polysketch.eval.llops_table3 import captured_files, summarize
+from experiments.llops_table3 import captured_files, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,9 +1,9 @@
-"""``polysketch.eval.quality``: the comparison driver behind ``benchmarks/quality.py``."""
+"""``experiments.quality`` (benchmarks/): the comparison driver behind ``benchmarks/quality.py``."""
 
 import pytest
+from experiments.quality import compare, quality_table, remedy_attentions
 
 from polysketch.data.corpus import load_corpus
-from polysketch.eval.quality import compare, quality_table, remedy_attentions
 from polysketch.nn.presets import valid_attentions
 from polysketch.nn.transformer import TransformerConfig
 from polysketch.train.loop import TrainConfig

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from polysketch.eval.softmax_fidelity import (
+from polysketch.eval.fidelity.softmax import (
     angle_sweep,
     dataset_mse,
     feature_flops,

@@ -211,7 +211,7 @@ def test_monomial_init_projection_is_unbiased_on_average():
 def test_monomial_init_gives_a_model_nonnegative_normalizers():
     """Inside KernelAttention (LayerNorm'd q/k, offset 1) the sketch draw at p = 4 leaves
     many normalizers negative; the monomial start none."""
-    from polysketch.eval.quality_diagnosis import capture_qkv
+    from polysketch.eval.fidelity.capture import capture_qkv
     from polysketch.nn import TransformerConfig, TransformerLM
 
     def normalizers(init):

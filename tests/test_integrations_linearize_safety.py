@@ -176,7 +176,7 @@ def test_load_converted_is_quiet_unless_something_is_really_wrong(tmp_path, monk
 
 
 def test_saved_model_folder_follows_the_umask(tmp_path):
-    from polysketch.commands.linearize import _save_model_atomically
+    from polysketch.integrations.transformers.linearize import _save_model_atomically
 
     model = tiny("llama")
     old = os.umask(0o022)

@@ -135,7 +135,7 @@ def test_near_queries_have_the_cosine_and_norm_asked():
 def test_build_kernel_resolves_specs_like_the_model():
     kernel, info = build_kernel("psf_random", 16)
     assert isinstance(kernel, FeatureKernel) and kernel.offset == 1.0 and kernel.square
-    assert info["feature_dim"] == 32 and info["state_dim"] == 1024 and info["rank_bound"] == 528
+    assert info["feature_dim"] == 32 and info["state_dim"] == 544 and info["rank_bound"] == 528
     kernel, info = build_kernel("softmax", 16)
     assert isinstance(kernel, SoftmaxKernel) and kernel.scale == 0.25 and info["state_dim"] is None
     kernel, _ = build_kernel("polynomial", 16)

@@ -1,8 +1,7 @@
-"""The quality-gap measurements (polysketch.eval.quality_diagnosis) and the facts they rest on."""
+"""The quality-gap measurements (benchmarks/experiments/quality_diagnosis.py) and their facts."""
 
 import torch
-
-from polysketch.eval.quality_diagnosis import (
+from experiments.quality_diagnosis import (
     capture_qkv,
     grad_norms,
     kernel_errors,
@@ -11,6 +10,7 @@ from polysketch.eval.quality_diagnosis import (
     sketch_core,
     swap_loss,
 )
+
 from polysketch.nn import TransformerConfig, TransformerLM
 from polysketch.ops import polynomial_attention
 
@@ -103,7 +103,7 @@ def test_learned_sketch_starts_with_attention_switched_on():
 def test_normalizer_sign_stats_flags_signed_scores_only():
     """Squared sketch scores never give a negative normalizer; LLoPS's signed sketch draw at
     p = 4 does in a fresh model, and its monomial start does not."""
-    from polysketch.eval.quality_diagnosis import normalizer_sign_stats
+    from experiments.quality_diagnosis import normalizer_sign_stats
 
     x = torch.randint(0, 64, (2, 32))
     torch.manual_seed(0)

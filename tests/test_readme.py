@@ -8,7 +8,8 @@ from pathlib import Path
 from polysketch import features
 from polysketch.nn import PRESETS
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _table_after(marker: str) -> list[list[str]]:
@@ -50,3 +51,47 @@ def test_preset_table_matches_the_code():
     assert {row[0].strip("`"): row[1] for row in rows} == {
         name: preset["description"] for name, preset in PRESETS.items()
     }
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped)."""
+    anchors = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            text = re.sub(r"[^\w\- ]", "", text)
+            anchors.add(text.replace(" ", "-"))
+    return anchors
+
+
+def _broken_links(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+            broken.append(target)
+    return broken
+
+
+def test_results_move_to_docs_and_every_link_resolves():
+    """README keeps one short section per measured topic linking to docs/results/README.md,
+    which holds the full tables; every relative link (and #anchor) of both resolves."""
+    results = ROOT / "docs" / "results" / "README.md"
+    measured = README.split("## Measured results", 1)[1].split("\n## ", 1)[0]
+    assert "docs/results/README.md" in measured
+    assert "| 16384 | 888 / 948 |" in results.read_text()  # the full speed table moved there
+    assert "| 16384 | 888 / 948 |" not in README
+    assert _broken_links(ROOT / "README.md") == []
+    assert _broken_links(results) == []
+
+
+def test_the_link_checker_finds_broken_links(tmp_path):
+    (tmp_path / "a.md").write_text("# Title here\n[ok](a.md#title-here) [bad](b.md) [x](a.md#no)\n")
+    assert _broken_links(tmp_path / "a.md") == ["b.md", "a.md#no"]

@@ -9,21 +9,26 @@ reader never sees half a file. ``mkstemp`` / ``mkdtemp`` create their entries wi
 allows. ``remove_stale_temporaries(path)`` deletes the temporary files a crashed writer of
 ``path`` left behind. A failed write raises ``OSError`` naming ``path`` (ENOSPC included).
 
+``write_csv(rows, path)`` writes result rows (dicts) as a CSV file through ``atomic_write``.
+
 This is the one writer of the package: checkpoints (``polysketch.train.checkpoint``) and the
-CLI's result files (``polysketch.commands``) go through it.
+result files of the CLI and of ``polysketch.eval`` (CSV, JSON, PNG) go through it.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 __all__ = [
     "atomic_write",
+    "write_csv",
     "replace_dir",
     "remove_stale_temporaries",
     "temporary_pattern",
@@ -168,3 +173,34 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
             stale.unlink(missing_ok=True)
             removed.append(stale)
     return removed
+
+
+def write_csv(
+    rows: Iterable[dict],
+    path: str | os.PathLike,
+    *,
+    columns: Sequence[str] | None = None,
+    float_format: str | None = None,
+) -> Path:
+    """Write ``rows`` (dicts) to ``path`` as CSV with a header, atomically (``atomic_write``).
+
+    ``columns``: the header, in order (default: the union of the rows' keys, in first-seen
+    order); a row's missing keys are empty cells, and keys outside ``columns`` are left out.
+    ``float_format``: a format spec for float cells (e.g. ``".6g"``; default ``str``).
+    Creates the parent folders; returns ``path``.
+    """
+    rows = list(rows)
+    if columns is None:
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), restval="", extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        if float_format is not None:
+            row = {k: _cell(v, float_format) for k, v in row.items()}
+        writer.writerow(row)
+    return atomic_write(Path(path), buffer.getvalue().encode())
+
+
+def _cell(value, float_format: str):
+    return format(value, float_format) if isinstance(value, float) else value

@@ -8,9 +8,10 @@
   (r − (r·k̂)k̂, normalized): cos(q, k) = c exactly, ‖q‖ = ‖k‖, and q stays in the span of
   the data (for LayerNorm'd rows it is again mean 0 with norm √D). c = 1 returns the keys.
 * ``CapturedHeads``: the keys and queries of every (layer, head) of a trained
-  ``TransformerLM``, captured after its q/k LayerNorm and RoPE (``polysketch.eval.capture``)
-  on validation windows, with a seeded split of token positions into a *fit* part (to fit
-  learnable maps) and a disjoint *measure* part (the keys that are measured).
+  ``TransformerLM``, captured after its q/k LayerNorm and RoPE
+  (``polysketch.eval.fidelity.capture``) on validation windows, with a seeded split of token
+  positions into a *fit* part (to fit learnable maps) and a disjoint *measure* part (the
+  keys that are measured).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from polysketch.eval.capture import capture_qk
+from polysketch.eval.fidelity.capture import capture_qk
 from polysketch.random import make_generator
 
 __all__ = ["layer_norm_gaussian", "near_queries", "CapturedHeads", "capture_heads", "load_model"]
@@ -57,15 +58,9 @@ def near_queries(keys: torch.Tensor, cosine: float, others: torch.Tensor) -> tor
 
 def load_model(path):
     """The ``TransformerLM`` of a ``polysketch train`` checkpoint, in eval mode, on the CPU."""
-    from polysketch.nn import TransformerConfig, TransformerLM
-    from polysketch.train import load_checkpoint
+    from polysketch.train import load_model as _load
 
-    state = load_checkpoint(path, restore_rng=False)
-    if "model_config" not in state or "model" not in state:
-        raise ValueError(f"checkpoint {path} was not written by `polysketch train`")
-    model = TransformerLM(TransformerConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    return model.eval()
+    return _load(path, "cpu")[0]
 
 
 @dataclass

@@ -27,8 +27,9 @@ themselves (queries = keys) and R = diag(c + S·1). R⁻¹S has non-negative ent
 ≤ 1, so every eigenvalue has modulus ≤ 1, and at most rank(S) ≤ F′ are non-zero; hence
 Σ_i w_i = tr(R⁻¹S) ≤ F′ and the mean exact-match weight is ≤ min(1, F′/t). F′ (``rank_bound``)
 is F for a map of F features, F(F+1)/2 for a ``square`` map (the symmetric pairs of φ⊗φ span
-its scores; its decode state keeps F², ``state_dim``), C(D+p−1, p) for exact degree-p scores
-(the symmetric power), and none for softmax (exp(q·k) has full rank: its state is the KV cache).
+its scores; its decode state keeps F(⌊F/2⌋+1) cyclic pairs, ``state_dim``, ops/pairs.py),
+C(D+p−1, p) for exact degree-p scores (the symmetric power), and none for softmax (exp(q·k)
+has full rank: its state is the KV cache).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _state(row: dict) -> str:
         return "KV cache (t)"
     what = f"{fmt(row['state_dim'])}"
     if int(row.get("square") or 0):
-        what += f" (F² of F = {fmt(row['feature_dim'])})"
+        what += f" (pairs of F = {fmt(row['feature_dim'])})"
     return what
 
 

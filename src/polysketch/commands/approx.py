@@ -8,7 +8,7 @@ of the same state size (LLoPS Thm 3.1). It prints a table and writes ``results.c
 ``--overwrite``).
 
 Softmax mode (``--kernel softmax``) runs the hybrid-random-features experiments of
-``polysketch.eval.softmax_fidelity``: the error of softmax-kernel estimators vs the angle
+``polysketch.eval.fidelity.softmax``: the error of softmax-kernel estimators vs the angle
 between q and k (``--experiment angles``, HRF Fig. 2 style) or their MSE on a UCI data set
 (``--experiment datasets``), writing ``angles.csv``/``angles.png`` or
 ``datasets.csv``/``datasets.png``.
@@ -17,24 +17,23 @@ between q and k (``--experiment angles``, HRF Fig. 2 style) or their MSE on a UC
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import math
-import sys
-import time
 from pathlib import Path
 
-from .._files import atomic_write
-from ..features import available, create
-from ..nn import presets
+from .._files import write_csv  # noqa: F401  (re-exported: polysketch.commands.approx.write_csv)
+from ..eval.fidelity import approx
+from ..eval.fidelity.approx import POLYNOMIAL_MAPS, SOFTMAX_MAPS, default_maps, format_table
+from ..eval.fidelity.data_sources import SYNTHETIC_SOURCES, load_qk
 from ._common import add_overwrite_argument, fail, io_error, prepare_out_dir
 
-__all__ = ["POLYNOMIAL_MAPS", "SOFTMAX_MAPS", "add_parser", "run", "default_maps", "write_csv"]
-
-# Derived from the maps' declared families: polynomial mode measures the polynomial maps and the
-# baselines with a kernel of their own (elu, taylor); softmax mode the softmax-kernel estimators.
-POLYNOMIAL_MAPS = tuple(available("polynomial", "own"))
-SOFTMAX_MAPS = tuple(sorted(presets.SOFTMAX_MAPS))
+__all__ = [
+    "POLYNOMIAL_MAPS",
+    "SOFTMAX_MAPS",
+    "add_parser",
+    "run",
+    "default_maps",
+    "format_table",
+    "write_csv",
+]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -173,130 +172,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def default_maps(family: tuple[str, ...], dim: int) -> tuple[list[str], list[str]]:
-    """Registered maps of ``family`` that build with defaults: (usable, 'name: reason' skipped)."""
-    names, skipped = [], []
-    registered = set(available())
-    for name in family:
-        if name not in registered:
-            continue
-        try:
-            create(name, dim)
-        except Exception as err:  # any failure to build means: leave it out, say why
-            skipped.append(f"{name}: {type(err).__name__}: {err}")
-            continue
-        names.append(name)
-    return names, skipped
-
-
-def write_csv(rows: list[dict], path: Path) -> Path:
-    """Write ``rows`` (union of their keys as columns, in first-seen order) to ``path``
-    (atomically, ``polysketch._files.atomic_write``)."""
-    columns: list[str] = []
-    for row in rows:
-        columns.extend(key for key in row if key not in columns)
-    buffer = io.StringIO(newline="")
-    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
-    writer.writeheader()
-    writer.writerows(rows)
-    return atomic_write(Path(path), buffer.getvalue().encode())
-
-
-def _fmt(x, spec: str = ".3g") -> str:
-    if x is None or x == "":
-        return "-"
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    return format(x, spec)
-
-
-def format_table(rows: list[dict]) -> str:
-    """The polynomial-mode results as an aligned text table (skipped rows listed after)."""
-    header = (
-        "map",
-        "target",
-        "p",
-        "F asked",
-        "state_dim",
-        "rel Frobenius ± std",
-        "RMAE",
-        "max rel",
-        "optimum",
-        "ratio",
-    )
-    lines = [header]
-    for r in rows:
-        if r.get("skipped"):
-            continue
-        lines.append(
-            (
-                r["map"],
-                r["target"],
-                str(r["degree"]),
-                _fmt(r["num_features"], "d"),
-                str(r["state_dim"]),
-                f"{_fmt(r['rel_frobenius_mean'])} ± {_fmt(r['rel_frobenius_std'], '.2g')}",
-                _fmt(r["rmae_mean"]),
-                _fmt(r["max_rel_mean"]),
-                _fmt(r["optimal_rel"]),
-                _fmt(r["ratio_to_optimal"], ".3f"),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = [
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    ]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    skipped = [r for r in rows if r.get("skipped")]
-    if skipped:
-        out.append("")
-        out.append("skipped:")
-        out.extend(
-            f"  {r['map']} p={r['degree']} F={_fmt(r['num_features'], 'd')}: {r['skipped']}"
-            for r in skipped
-        )
-    return "\n".join(out)
-
-
 def _run_polynomial(args, out: Path) -> int:
-    from ..eval.data_sources import load_qk
-    from ..eval.fidelity import optimal_curve, sweep
-    from ..eval.plots import plot_fidelity_sweep
-
-    dim = (
-        args.dim
-        if args.dim is not None
-        else (16 if args.source in ("gaussian", "sphere") else None)
-    )
+    synthetic = args.source in SYNTHETIC_SOURCES
+    dim = args.dim if args.dim is not None else (16 if synthetic else None)
     num = args.num if args.num is not None else 256
     trials = args.trials if args.trials is not None else 5
     feature_dims = args.feature_dims or [16, 32, 64, 128]
     try:
         q, k = load_qk(args.source, dim=dim, num=num, seed=args.seed)
     except (ValueError, TypeError) as err:  # a user error in --source/--dim/--num: no traceback
-        print(f"polysketch approx: error: {err}", file=sys.stderr)
-        return 2
+        return fail("approx", err)
     fit_data = None
     if args.fit_steps > 0 or args.fit_init is not None:
-        if args.fit_source is not None:
-            try:
-                fit_data = load_qk(
-                    args.fit_source, dim=q.shape[-1], num=args.fit_num, seed=args.seed + 1
-                )
-            except (ValueError, TypeError) as err:
-                print(f"polysketch approx: error: --fit-source: {err}", file=sys.stderr)
-                return 2
-        elif args.source in ("gaussian", "sphere"):  # a fresh draw: fit and test are disjoint
-            fit_data = load_qk(args.source, dim=dim, num=num, seed=args.seed + 1)
-        else:  # files: fit in-sample (noted in the output)
+        try:
+            fit_data = approx.fit_samples(
+                args.source, dim=q.shape[-1], num=num, seed=args.seed,
+                fit_source=args.fit_source, fit_num=args.fit_num,
+            )  # fmt: skip
+        except (ValueError, TypeError) as err:
+            return fail("approx", f"--fit-source: {err}")
+        if fit_data is None:  # files: fit in-sample (noted in the output)
             print("note: learnable maps are fitted on the same samples they are measured on")
-    if args.maps:
-        names = list(args.maps)
-    else:
-        names, skipped = default_maps(POLYNOMIAL_MAPS, q.shape[-1])
-        for line in skipped:
-            print(f"skipping {line}")
+    names = list(args.maps or default_maps(POLYNOMIAL_MAPS, q.shape[-1], log=print)[0])
     if not names:
         print("no polynomial feature maps are available")
         return 1
@@ -305,100 +202,38 @@ def _run_polynomial(args, out: Path) -> int:
         f"(D={q.shape[-1]}, source={args.source}), degrees {args.degrees}, "
         f"F in {feature_dims}, {trials} trials"
     )
-    start = time.perf_counter()
-    rows = sweep(
-        names,
-        q,
-        k,
-        degrees=args.degrees,
-        feature_dims=feature_dims,
-        trials=trials,
-        seed=args.seed,
-        progress=not args.no_progress,
-        max_feature_dim=args.max_feature_dim,
-        rel_floor=args.rel_floor,
-        fit_steps=args.fit_steps,
-        fit_init=args.fit_init,
-        fit_lr=args.fit_lr,
-        fit_data=fit_data,
-        target=args.target,
-        fit_maps=args.fit_maps,
-    )
-    ranks = sorted({int(r["state_dim"]) for r in rows if not r.get("skipped")} | set(feature_dims))
-    optimal = optimal_curve(q, k, degrees=args.degrees, ranks=ranks)
-    print(format_table(rows))
+    result = approx.measure_polynomial(
+        q, k, names, degrees=args.degrees, feature_dims=feature_dims, trials=trials,
+        seed=args.seed, progress=not args.no_progress, max_feature_dim=args.max_feature_dim,
+        rel_floor=args.rel_floor, fit_steps=args.fit_steps, fit_init=args.fit_init,
+        fit_lr=args.fit_lr, fit_data=fit_data, target=args.target, fit_maps=args.fit_maps,
+    )  # fmt: skip
+    print(format_table(result["rows"]))
     print(
-        f"({time.perf_counter() - start:.1f} s; optimum = least relative Frobenius error of "
+        f"({result['seconds']:.1f} s; optimum = least relative Frobenius error of "
         "any map with that state_dim, LLoPS Thm 3.1; ratio = error / optimum)"
     )
-    paths = [
-        write_csv(rows, out / "results.csv"),
-        write_csv(optimal, out / "optimal.csv"),
-        plot_fidelity_sweep(rows, out / "fidelity.png", optimal=optimal),
-    ]
-    for path in paths:
+    for path in approx.write_polynomial(result, out):
         print(f"wrote {path}")
     return 0
 
 
-def _given(**kwargs) -> dict:
-    """The keyword arguments the user set (not None): the rest keep the callee's defaults."""
-    return {key: value for key, value in kwargs.items() if value is not None}
-
-
 def _run_softmax(args, out: Path) -> int:
-    # Imported at call time: the softmax tools are optional for the polynomial mode.
-    from ..eval import softmax_fidelity as sf
-
-    if args.maps:
-        names = list(args.maps)
-    else:
-        names, skipped = default_maps(SOFTMAX_MAPS, args.dim or 16)
-        for line in skipped:
-            print(f"skipping {line}")
+    names = list(args.maps or default_maps(SOFTMAX_MAPS, args.dim or 16, log=print)[0])
     if not names:
         print("no softmax feature maps are available")
         return 1
-    common = {"seed": args.seed, "progress": not args.no_progress}
-    if args.trials is not None:
-        common["trials"] = args.trials
-    first_f = args.feature_dims[0] if args.feature_dims else None
-    if args.experiment == "angles":
-        rows = sf.angle_sweep(
-            names,
-            **common,
-            **_given(
-                dim=args.dim,
-                radius=args.radius,
-                num_angles=args.num_angles,
-                num_features=first_f,
-                lambda_features=args.lambda_features,
-            ),
-        )
-        stem, plot = "angles", sf.plot_angle_sweep
-    else:
-        rows = sf.dataset_mse(
-            names,
-            **common,
-            dataset=args.dataset,
-            match=args.match,
-            **_given(
-                budget=first_f,
-                pairs=args.num,
-                lambda_features=args.lambda_features,
-                radius=args.radius,
-            ),
-        )
-        stem, plot = "datasets", sf.plot_dataset_mse
+    rows = approx.measure_softmax(
+        names, experiment=args.experiment, seed=args.seed, progress=not args.no_progress,
+        trials=args.trials, dim=args.dim,
+        num_features=args.feature_dims[0] if args.feature_dims else None,
+        lambda_features=args.lambda_features, radius=args.radius, num_angles=args.num_angles,
+        dataset=args.dataset, match=args.match, pairs=args.num,
+    )  # fmt: skip
     for row in rows:
-        print(
-            "  ".join(f"{key}={_fmt(v) if isinstance(v, float) else v}" for key, v in row.items())
-        )
-    csv_path = write_csv(rows, out / f"{stem}.csv")
-    png_path = out / f"{stem}.png"
-    plot(rows, png_path)
-    print(f"wrote {csv_path}")
-    print(f"wrote {png_path}")
+        print(approx.format_row(row))
+    for path in approx.write_softmax(rows, out, experiment=args.experiment):
+        print(f"wrote {path}")
     return 0
 
 
@@ -414,3 +249,5 @@ def run(args: argparse.Namespace) -> int:
         return _run_polynomial(args, out)
     except OSError as err:
         return fail("approx", io_error(err, out))
+    except ImportError as err:  # the figure without matplotlib: the error names the extra
+        return fail("approx", err)

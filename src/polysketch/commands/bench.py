@@ -7,7 +7,7 @@ matmul peak measured in the same run, peak memory, the per-token decode time vs 
 the crossover length. ``--mode train`` times forward + backward instead, ``--dtype bf16``
 feeds half inputs (FlashAttention on CUDA), ``--device cuda`` measures peak memory, and
 ``--model`` times whole TransformerLM training steps, ``--decode`` whole-model greedy decoding
-ms/token vs position (``polysketch.eval.bench_decode``). Writes ``results.csv`` and
+ms/token vs position (``polysketch.eval.bench.decode``). Writes ``results.csv`` and
 ``bench.png`` (``--model``: ``model_results.csv``, ``model_bench.png``; ``--decode``:
 ``decode_results.csv``) into ``--out``; a non-empty ``--out`` is refused unless
 ``--overwrite``. See ``polysketch.eval.bench`` for the
@@ -26,13 +26,16 @@ from ..eval.bench import (
     METHODS,
     MODES,
     BenchConfig,
+    ModelBenchConfig,
+    format_model_report,
     format_report,
     parse_lengths,
     plot_results,
     run_benchmark,
+    run_model_benchmark,
     write_csv,
+    write_model_outputs,
 )
-from ..eval.bench_model import run_model_bench
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -88,7 +91,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--model", action="store_true",
         help="TransformerLM training tokens/s (softmax vs psf_random vs psf_mixed) instead; "
-        "see polysketch.eval.bench_model",
+        "see polysketch.eval.bench.model",
     )  # fmt: skip
     parser.add_argument(
         "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -98,7 +101,7 @@ def add_arguments(parser) -> None:
         "--decode", action="store_true",
         help="TransformerLM greedy decoding ms/token vs position (--decode-positions; default "
         "2k,16k; --quick: 256,1k): softmax's KV cache vs psf_random, psf_mixed, hedgehog "
-        "states; see polysketch.eval.bench_decode",
+        "states; see polysketch.eval.bench.decode",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
@@ -110,13 +113,14 @@ def add_arguments(parser) -> None:
 
 
 def run_from_args(args) -> int:
-    """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png.
+    """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png
+    (``--model``: model_results.csv, model_bench.png).
 
     Bad options raise ``ValueError`` naming them (before anything runs); a device torch
     cannot use here, a refused ``--out`` (non-empty without ``--overwrite``, a file,
     unwritable) or a failed write return 2 with an ``error:`` line.
     """
-    config = None if args.model or args.decode else _config(args)
+    config = None if args.decode else _model_config(args) if args.model else _config(args)
     try:
         check_device(args.device)
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
@@ -126,13 +130,19 @@ def run_from_args(args) -> int:
         if args.decode:
             return _run_decode(args, out)
         if args.model:
-            return run_model_bench(args)
-        result = run_benchmark(config)
-        csv_path = write_csv(result["rows"], out / "results.csv")
-        png_path = plot_results(result["rows"], out / "bench.png")
+            result = run_model_benchmark(config)
+            csv_path, png_path = write_model_outputs(result, out)
+            report = format_model_report(result)
+        else:
+            result = run_benchmark(config)
+            csv_path = write_csv(result["rows"], out / "results.csv")
+            png_path = plot_results(result["rows"], out / "bench.png")
+            report = format_report(result)
     except OSError as err:
         return fail("bench", io_error(err, out))
-    print(format_report(result))
+    except ImportError as err:  # the figure without matplotlib: the error names the extra
+        return fail("bench", err)
+    print(report)
     print(f"\nwrote {csv_path} and {png_path}")
     return 0
 
@@ -141,7 +151,7 @@ def _run_decode(args, out) -> int:
     """``--decode``: time whole-model decoding, print the table, write decode_results.csv."""
     import torch
 
-    from ..eval.bench_decode import (
+    from ..eval.bench.decode import (
         DecodeBenchConfig,
         format_decode_report,
         run_decode_benchmark,
@@ -161,6 +171,28 @@ def _run_decode(args, out) -> int:
     print(format_decode_report(rows, f"TransformerLM 4 x 256 on {args.device}: decode ms/token"))
     print(f"\nwrote {path}")
     return 0
+
+
+def _model_config(args) -> ModelBenchConfig:
+    """The ``ModelBenchConfig`` of parsed ``args`` (``--model``)."""
+    config = ModelBenchConfig(
+        device=args.device,
+        threads=args.threads,
+        chunk_size=check_positive_int(args.chunk_size, "chunk_size"),
+        compile=args.compile,
+        seed=args.seed,
+        progress=not args.no_progress,
+        amp="bf16" if args.dtype == "bf16" else None,
+    )
+    if args.lengths:
+        config.contexts = parse_lengths(args.lengths)
+    if args.quick:
+        config.contexts = config.contexts or (128, 256)
+        config.n_layer, config.n_head, config.n_embd = 1, 2, 32
+        config.min_time, config.min_repeats = 0.0, 1
+    if args.min_time is not None:
+        config.min_time = args.min_time
+    return config
 
 
 def _config(args) -> BenchConfig:

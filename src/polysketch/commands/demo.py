@@ -11,8 +11,9 @@ Three sections, each printing its table when it finishes:
 2. fidelity — kernel error ‖φq(Q)φk(K)ᵀ − E‖_F/‖E‖_F vs feature dim of every feature map
    against its target kernel E (polynomial maps at degree 4: (q·k)^4; softmax random
    features: exp(q·k/√D)), on the queries/keys the trained models feed their attention
-   (after the q/k LayerNorm and RoPE, ``polysketch.eval.capture``) and on Gaussian data; and
-   the ratio to the Eckart–Young optimum of any map with that state size (LLoPS Thm 3.1).
+   (after the q/k LayerNorm and RoPE, ``polysketch.eval.fidelity.capture``) and on Gaussian
+   data; and the ratio to the Eckart–Young optimum of any map with that state size (LLoPS
+   Thm 3.1).
 3. speed — causal attention time vs T against ``scaled_dot_product_attention``, the
    crossover length, and decode-step time vs position (``polysketch.eval.bench``).
 
@@ -40,12 +41,17 @@ from pathlib import Path
 import torch
 
 from .._checks import check_positive_int
-from ..eval.demo_fidelity import MAX_FEATURE_DIM, NOT_CALIBRATED, section_fidelity  # noqa: F401
-from ..eval.demo_sections import (
+from .._files import atomic_write
+from ..eval.demo import (
     CUDA_FULL,
     FULL,
+    MAX_FEATURE_DIM,  # noqa: F401  (re-exported for old imports, one release)
+    NOT_CALIBRATED,  # noqa: F401
     QUICK,
     DemoSizes,
+    Report,
+    machine_info,
+    section_fidelity,
     section_quality,
     section_speed,
 )
@@ -53,8 +59,8 @@ from ._common import check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["DemoSizes", "FULL", "CUDA_FULL", "QUICK", "SECTIONS", "add_parser", "run"]
 
-# The section runners live in polysketch.eval (demo_sections, demo_fidelity); this module parses
-# arguments and runs them. MAX_FEATURE_DIM and NOT_CALIBRATED are re-exported for old imports.
+# The section runners live in polysketch.eval.demo; this module parses arguments, runs them and
+# writes the report.
 SECTIONS = ("quality", "fidelity", "speed")
 REPORT_FILES = ("README.md", "index.html", "results.json")
 
@@ -112,26 +118,24 @@ SECTION_FUNCS = {"quality": section_quality, "fidelity": section_fidelity, "spee
 
 
 def run(args) -> int:
-    """Run the chosen sections and write the report; 1 if a section failed (reported)."""
+    """Run the chosen sections and write the report; 1 if a section failed (reported), 2 (with
+    an ``error:`` line) for a bad option, ``--device`` or ``--out``."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        cuda = torch.device(args.device).type == "cuda"
-    except RuntimeError as err:
-        raise ValueError(
-            f"device must be a torch device such as cpu or cuda, got {args.device!r}"
-        ) from err
-    try:
         check_device(args.device)
+        cuda = torch.device(args.device).type == "cuda"
+        sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
+        if args.steps is not None:
+            sizes = replace(sizes, steps=check_positive_int(args.steps, "--steps"))
+        if args.threads is not None:
+            check_positive_int(args.threads, "--threads")
         _check_out(args)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         return fail("demo", err)
-    sizes = QUICK if args.quick else (CUDA_FULL if cuda else FULL)
-    if args.steps is not None:
-        sizes = replace(sizes, steps=check_positive_int(args.steps, "steps"))
     threads = torch.get_num_threads()
     if args.threads is not None:
-        torch.set_num_threads(check_positive_int(args.threads, "threads"))
+        torch.set_num_threads(args.threads)
     try:
         return _run(args, sizes)
     finally:
@@ -158,8 +162,6 @@ def _check_out(args) -> None:
 
 
 def _run(args, sizes: DemoSizes) -> int:
-    from ..eval.report import Report, machine_info
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
@@ -201,11 +203,9 @@ def _run(args, sizes: DemoSizes) -> int:
     report.blocks += body.blocks
     try:
         md, page = report.write(out)
-        with open(out / "results.json", "w", encoding="utf-8") as fh:
-            json.dump(
-                _finite({"machine": machine, "seconds": timings, "sizes": sizes.__dict__,
-                         "failed": failures, **results}), fh, indent=1,
-            )  # fmt: skip
+        numbers = {"machine": machine, "seconds": timings, "sizes": sizes.__dict__,
+                   "failed": failures, **results}  # fmt: skip
+        atomic_write(out / "results.json", json.dumps(_finite(numbers), indent=1).encode())
     except OSError as err:
         return fail("demo", io_error(err, out))
     print(f"wrote {md}, {page} and {out / 'results.json'}")

@@ -16,11 +16,10 @@ import argparse
 import torch
 
 from ..data.tokenizer import ByteTokenizer
-from ..nn import TransformerConfig, TransformerLM
-from ..train import CheckpointError, load_checkpoint
+from ..train import load_model  # re-exported: polysketch.commands.generate.load_model
 from ._common import check_device, fail
 
-__all__ = ["add_parser", "run", "load_model"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -41,29 +40,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.set_defaults(func=run)
     return p
-
-
-def load_model(path, device: str | torch.device | None = None) -> tuple[TransformerLM, dict]:
-    """The ``TransformerLM`` of a training checkpoint (eval mode) and the checkpoint dict.
-
-    Raises ``CheckpointError`` (a ``ValueError`` naming the file) for a refused, damaged or
-    foreign checkpoint, or one whose model config does not fit its weights.
-    """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    state = load_checkpoint(path, map_location=device, restore_rng=False)
-    if "model_config" not in state or "model" not in state:
-        raise CheckpointError(f"checkpoint {path} was not written by `polysketch train`")
-    try:
-        model = TransformerLM(TransformerConfig(**state["model_config"]).validate())
-        model.load_state_dict(state["model"])
-    except (TypeError, ValueError, RuntimeError, KeyError) as err:
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-        raise CheckpointError(
-            f"checkpoint {path}: its model_config does not fit its weights "
-            f"({type(err).__name__}: {detail})"
-        ) from None
-    return model.to(device).eval(), state
 
 
 def run(args: argparse.Namespace) -> int:

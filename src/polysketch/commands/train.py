@@ -36,7 +36,7 @@ from ..train import (
 from ..train.distributed import env_world_size, rank_slice
 from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
 
-__all__ = ["add_parser", "run", "parse_map_kwargs", "load_data", "ERROR_EXIT", "RESUME_FLAGS"]
+__all__ = ["add_parser", "run", "load_data", "ERROR_EXIT", "RESUME_FLAGS"]
 
 RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite")
 """The options ``--resume`` honours; every other option is the checkpoint's (warned about)."""
@@ -70,11 +70,6 @@ class _Recorded:
     def add_argument(self, *names, **kwargs):
         kwargs["action"] = _recording(_ACTIONS[kwargs.get("action", "store")])
         return self.group.add_argument(*names, **kwargs)
-
-
-def parse_map_kwargs(items: list[str] | None) -> dict:
-    """``--map-kw`` items -> feature-map keywords (``_checks.parse_key_values``)."""
-    return parse_key_values(items, "--map-kw")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -185,7 +180,7 @@ def _configs_from_args(args):
         n_head=args.n_head,
         n_embd=args.n_embd,
         attention=args.attention,
-        map_kwargs=parse_map_kwargs(args.map_kw),
+        map_kwargs=parse_key_values(args.map_kw, "--map-kw"),
         chunk_size=args.chunk_size,
         rope=not args.no_rope,
         qk_dim=args.qk_dim,

@@ -1,1 +1,10 @@
-"""Fidelity measurement, benchmarks and reports."""
+"""Measurement: what the CLI runs and the experiments in ``benchmarks/`` build on.
+
+* ``fidelity/``: how well feature maps reproduce their kernels (metrics, ``evaluate_map``,
+  ``sweep``, q/k sources and capture, the softmax-estimator experiments, ``polysketch approx``);
+* ``bench/``: speed against softmax attention (attention, whole models, cost model, timing);
+* ``demo/``: the report of ``polysketch demo``;
+* ``mqar_sweep``: recall vs decode-state size (``polysketch mqar``);
+* ``linearize_report``: the results of ``polysketch linearize``;
+* ``plots`` (matplotlib, the ``plot`` extra, imported only to draw) and ``tables`` (text).
+"""

@@ -19,22 +19,18 @@ keeps every run.
 q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU budget.
 
 ``run_sweep`` does the work; ``write_csv`` and ``plot_sweep`` save ``mqar.csv`` and
-``mqar.png``; ``add_arguments`` / ``run_from_args`` back ``polysketch mqar``.
+``mqar.png``; ``polysketch mqar`` (``polysketch.commands.mqar``) is the command.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from .._checks import check_positive_int, parse_key_values
+from .._checks import parse_key_values
+from .._files import write_csv as _write_csv
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig, valid_attentions
 from ..train import MQARData, TrainConfig, train
@@ -59,8 +55,6 @@ __all__ = [
     "write_csv",
     "plot_sweep",
     "format_table",
-    "add_arguments",
-    "run_from_args",
 ]
 
 DEFAULT_ATTENTIONS = (
@@ -321,14 +315,8 @@ def train_one(
 
 
 def write_csv(rows: Sequence[dict], path) -> Path:
-    """Write the sweep rows to ``path`` (CSV with ``COLUMNS``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
-    return path
+    """Write the sweep rows to ``path`` (CSV with ``COLUMNS``; atomically, parents created)."""
+    return _write_csv(rows, path, columns=COLUMNS)
 
 
 def plot_sweep(rows: Sequence[dict], path, *, title: str = "MQAR") -> Path:
@@ -361,70 +349,3 @@ def format_table(rows: Sequence[dict]) -> str:
             f"{r['val_loss']:>9.4f} {r['accuracy']:>6.3f}"
         )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``polysketch mqar`` options."""
-    parser.add_argument(
-        "--attentions", nargs="+", default=None, metavar="NAME[:k=v,...]",
-        help="attentions, optionally with model (qk_dim, short_conv, chunk_size, qk_norm, rope) or "
-        "feature-map keywords, e.g. llops:num_features=256,degree=4 (default: the setting's list)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--setting", choices=tuple(SETTINGS), default="default",
-        help="llops: LLoPS Table 4's model (d_model 128, short convolutions) and attentions; "
-        "long / long512: long-range recall at T = 1024 / 512, every query >= T/2 after its key",
-    )  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
-    parser.add_argument(
-        "--lrs", nargs="+", type=float, default=None, metavar="LR",
-        help="learning rates to sweep; each attention is reported at its best (default: --lr)",
-    )  # fmt: skip
-    for key, value in FULL.items():
-        parser.add_argument(
-            "--" + key.replace("_", "-"), type=type(value), default=None,
-            help=f"(default {value}; --quick: {QUICK[key]})",
-        )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--out", default="runs/mqar", help="folder for mqar.csv and mqar.png")
-    parser.add_argument("--progress", action="store_true", help="progress bar per model")
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the sweep, print the table, write CSV and PNG; 2 on bad input."""
-    base, default_attentions = SETTINGS[args.setting]
-    if args.quick:
-        base = {**QUICK, "min_distance": min(base["min_distance"], QUICK["seq_len"] // 2)}
-    attentions = args.attentions
-    if attentions is None:
-        attentions = default_attentions
-    settings = {k: (getattr(args, k) if getattr(args, k) is not None else v)
-                for k, v in base.items()}  # fmt: skip
-    out = Path(args.out)
-    try:
-        if args.threads is not None:
-            torch.set_num_threads(check_positive_int(args.threads, "threads"))
-        rows = run_sweep(
-            attentions,
-            settings=settings,
-            lrs=args.lrs,
-            seed=args.seed,
-            device=args.device,
-            progress=args.progress,
-            on_row=lambda done: write_csv(done, out / "mqar.csv"),
-        )
-    except (ValueError, TypeError) as err:
-        print(f"polysketch mqar: error: {err}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    csv_path = write_csv(rows, out / "mqar.csv")
-    png_path = plot_sweep(
-        rows, out / "mqar.png",
-        title=f"MQAR: T={settings['seq_len']}, {settings['num_kv_pairs']} pairs, "
-        f"{settings['n_layer']} layers × {settings['n_embd']}"
-        + (f", query ≥ {settings['min_distance']} after key" if settings["min_distance"] else ""),
-    )  # fmt: skip
-    print(f"wrote {csv_path} and {png_path}")
-    return 0

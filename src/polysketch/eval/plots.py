@@ -3,23 +3,41 @@
 Every plotting function in ``polysketch.eval`` goes through these helpers so that figures are
 drawn without a display (the Agg backend is selected before ``pyplot`` is imported, and only
 when no other backend has been chosen explicitly), share one look, and are written as PNG files
-whose parent directories are created on demand.
+atomically (``polysketch._files.atomic_write``, parent folders created on demand).
+
+matplotlib is an optional dependency (the ``plot`` extra: ``pip install polysketch[plot]``):
+this module imports it only when a figure is drawn, so the library, the CLI and every
+measurement run without it; drawing without it raises an ImportError naming the extra.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import matplotlib
+from .._files import atomic_write
 
-__all__ = ["pyplot", "subplots", "log_axes", "save_png", "plot_fidelity_sweep"]
+__all__ = ["PLOT_EXTRA", "pyplot", "subplots", "log_axes", "save_png", "plot_fidelity_sweep"]
+
+PLOT_EXTRA = "pip install polysketch[plot]"
+"""How to install what the figures need (matplotlib)."""
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the non-interactive Agg backend (safe on headless machines)."""
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (safe on headless machines).
+
+    Raises ImportError naming the ``plot`` extra when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            f"drawing figures needs matplotlib, which polysketch installs with its plot extra: "
+            f"{PLOT_EXTRA}"
+        ) from err
     if "matplotlib.pyplot" not in sys.modules:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -62,13 +80,15 @@ def log_axes(ax, *, x: bool = True, y: bool = True, grid: bool = True) -> None:
 
 
 def save_png(fig, path, *, dpi: int = 120) -> Path:
-    """Write ``fig`` to ``path`` as PNG (parents created), close it, and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``fig`` to ``path`` as PNG (atomically, parents created), close it, and return
+    the path."""
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=dpi)
-    pyplot().close(fig)
-    return path
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
+    return atomic_write(Path(path), buffer.getvalue())
 
 
 def _finite_positive(values: Iterable) -> list[float]:

@@ -5,19 +5,22 @@
   the other accepted data.
 - ``warmup_cosine``: the LambdaLR schedule; ``learning_rate``: its formula.
 - ``save_checkpoint`` / ``load_checkpoint``: atomic, checksummed checkpoints with RNG states,
-  loaded without running code (``CheckpointError`` names a refused or damaged file).
+  loaded without running code (``CheckpointError`` names a refused or damaged file);
+  ``load_model``: the ``TransformerLM`` a ``polysketch train`` checkpoint holds.
 """
 
 from .batches import CorpusBatches, MQARBatches, MQARData
 from .checkpoint import (
     CheckpointError,
     load_checkpoint,
+    load_model,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from .config import TrainConfig
 from .distributed import DistContext, rank_slice
-from .loop import CHECKPOINT_NAME, TrainConfig, param_groups, train
+from .loop import CHECKPOINT_NAME, param_groups, train
 from .schedule import WarmupCosine, learning_rate, warmup_cosine
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "save_checkpoint",
     "CheckpointError",
     "load_checkpoint",
+    "load_model",
     "rng_state",
     "set_rng_state",
 ]

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..data.corpus import Corpus
 from ..data.mqar import MQARConfig, make_mqar
 from . import distributed
-
-if TYPE_CHECKING:
-    from .loop import TrainConfig
+from .config import TrainConfig
 
 __all__ = ["MQARData", "CorpusBatches", "MQARBatches", "make_batches", "val_batches"]
 

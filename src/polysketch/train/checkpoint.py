@@ -35,6 +35,10 @@ pickled as an ``ndarray``) still loads: the NumPy array is rebuilt through an al
 exactly ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype`` and the
 uint32 dtype class (``torch.serialization.safe_globals``), still under ``weights_only=True``.
 It carries no checksum, so it is loaded unverified; the next save writes version 2.
+
+``load_model(path)`` rebuilds the ``TransformerLM`` of a ``polysketch train`` checkpoint (its
+``model_config`` and weights, the feature maps' random buffers included), as ``polysketch
+generate`` and the experiments in ``benchmarks/`` load trained models.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ __all__ = [
     "set_rng_state",
     "save_checkpoint",
     "load_checkpoint",
+    "load_model",
     "state_digest",
     "remove_stale_temporaries",
 ]
@@ -322,3 +327,30 @@ def load_checkpoint(
     if device.type != "cpu":  # verified on the CPU, then moved (the RNG states stay there)
         state = {k: v if k == "rng" else _to_device(v, device) for k, v in state.items()}
     return state
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device | None = None):
+    """``(model, state)``: the ``TransformerLM`` of a ``polysketch train`` checkpoint, in eval
+    mode on ``device`` (default: cuda if available, else cpu), and the checkpoint's state.
+
+    The RNG states are not restored. Raises ``CheckpointError`` (a ``ValueError`` naming the
+    file) for a refused, damaged or foreign checkpoint, or one whose ``model_config`` does not
+    fit its weights; ``FileNotFoundError`` for a missing file.
+    """
+    from ..nn import TransformerConfig, TransformerLM
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = load_checkpoint(path, map_location=device, restore_rng=False)
+    if "model_config" not in state or "model" not in state:
+        raise CheckpointError(f"checkpoint {path} was not written by `polysketch train`")
+    try:
+        model = TransformerLM(TransformerConfig(**state["model_config"]).validate())
+        model.load_state_dict(state["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise CheckpointError(
+            f"checkpoint {path}: its model_config does not fit its weights "
+            f"({type(err).__name__}: {detail})"
+        ) from None
+    return model.to(device).eval(), state

@@ -35,7 +35,7 @@ import csv
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,13 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import check_choice, check_float, check_int, check_positive_int
+from .._checks import check_positive_int
 from ..data.corpus import Corpus
 from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
 from . import distributed
 from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
 from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from .config import TrainConfig
 from .schedule import warmup_cosine
 
 __all__ = [
@@ -65,63 +66,6 @@ __all__ = [
 
 CHECKPOINT_NAME = "ckpt.pt"
 METRIC_FIELDS = ("step", "split", "loss", "accuracy", "lr", "tokens", "tokens_per_s", "elapsed_s")
-
-
-@dataclass
-class TrainConfig:
-    """Optimization settings. ``batch_size`` is the global batch (sequences per step, over all
-    ranks and micro-batches); ``block_size=None`` takes the model's. ``grad_clip=0`` disables
-    clipping; ``eval_interval=None`` and ``checkpoint_interval=None`` mean only at the end;
-    ``amp="bf16"`` runs forward passes under ``torch.autocast(dtype=bfloat16)``.
-    ``compile`` names a ``torch.compile`` backend for the model (``"inductor"``, the default
-    of ``polysketch train --compile``; ``"aot_eager"`` compiles without code generation);
-    ``None`` runs eagerly. Checkpoints hold the uncompiled model's state either way."""
-
-    steps: int = 1000
-    batch_size: int = 16
-    block_size: int | None = None
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    eval_interval: int | None = 250
-    eval_batches: int = 8
-    log_interval: int = 10
-    amp: str | None = None
-    seed: int = 0
-    out_dir: str | None = None
-    checkpoint_interval: int | None = None
-    device: str | None = None
-    compile: str | None = None
-    warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
-
-    def validate(self) -> TrainConfig:
-        """Raise ValueError/TypeError naming the bad field; return self."""
-        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
-            check_positive_int(getattr(self, name), name)
-        for name in ("block_size", "eval_interval", "checkpoint_interval"):
-            if getattr(self, name) is not None:
-                check_positive_int(getattr(self, name), name)
-        check_float(self.lr, "lr", minimum=0.0, strict_minimum=True)
-        check_float(self.min_lr, "min_lr", minimum=0.0, maximum=self.lr)
-        check_int(self.warmup_steps, "warmup_steps", minimum=0)
-        check_float(self.weight_decay, "weight_decay", minimum=0.0)
-        check_float(self.grad_clip, "grad_clip", minimum=0.0)
-        if len(tuple(self.betas)) != 2:
-            raise ValueError(f"betas must be a pair, got {self.betas!r}")
-        for b in self.betas:
-            check_float(b, "betas", minimum=0.0, maximum=1.0)
-        if self.amp is not None:
-            check_choice(self.amp, "amp", ["bf16"])
-        check_int(self.seed, "seed", minimum=0)
-        if self.compile is not None:
-            check_choice(self.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
-        check_int(self.warm_start_steps, "warm_start_steps", minimum=0)
-        self.betas = tuple(float(b) for b in self.betas)
-        return self
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -246,6 +190,86 @@ def train(
     seeded with ``train_config.seed`` at the start (and restored from the checkpoint on
     resume).
     """
+    cfg = _checked(model_config, train_config, data, stop_after)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
+    if resume and (ckpt_path is None or not ckpt_path.is_file()):
+        raise FileNotFoundError(
+            f"resume needs a checkpoint at {ckpt_path or 'out_dir/' + CHECKPOINT_NAME}"
+        )
+    block_size = cfg.block_size or model_config.block_size
+
+    ctx = distributed.setup(cfg.device)
+    try:
+        if ckpt_path is not None and ctx.is_main:
+            remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
+        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata)
+        if resume:
+            run.restore(ckpt_path, ctx.device)
+        model = run.model
+        if ctx.distributed:
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if cfg.compile is not None:  # after DDP, as torch recommends; state_dict from run.model
+            model = torch.compile(model, backend=cfg.compile)
+        rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
+        main = ctx.is_main
+        history = run.history
+        files = _MetricFiles(
+            out_dir if main else None, _logged(history, cfg.log_interval, cfg.steps)
+        )
+        bar = tqdm(
+            total=cfg.steps, initial=run.step, disable=not (progress and main), dynamic_ncols=True
+        )
+        elapsed = history["train"][-1]["elapsed_s"] if history["train"] else 0.0
+        tokens = history["train"][-1]["tokens"] if history["train"] else 0
+        model.train()
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        while run.step < end:
+            if cfg.warm_start_steps:  # steps 1..N exact; the mode follows the step on resume
+                run.model.set_exact_attention(run.step < cfg.warm_start_steps)
+            t0 = time.perf_counter()
+            lr = run.optimizer.param_groups[0]["lr"]
+            loss_value, batch_tokens = _optimizer_step(run, model, rows, ctx)
+            step = run.step = run.step + 1
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            tokens += batch_tokens
+            row = {
+                "step": step,
+                "split": "train",
+                "loss": loss_value,
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_s": batch_tokens / max(dt, 1e-9),
+                "elapsed_s": elapsed,
+            }
+            history["train"].append(row)
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                files.write(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
+                if cfg.warm_start_steps:
+                    run.model.set_exact_attention(step < cfg.warm_start_steps)
+                val_loss, acc = _evaluate(run.model, data, cfg, block_size, ctx)
+                vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
+                history["val"].append(vrow)
+                files.write(vrow)
+                if progress and main:
+                    bar.write(f"step {step}: val loss {val_loss:.4f}, accuracy {acc:.4f}")
+            if step == end or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                if ckpt_path is not None and main:
+                    save_checkpoint(ckpt_path, run.checkpoint_state())
+        bar.close()
+        history["model"] = run.model
+        return history
+    finally:
+        distributed.teardown(ctx)
+
+
+def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
+    """``train``'s arguments checked (TypeError/ValueError naming the bad one); the config."""
     if not isinstance(model_config, TransformerConfig):
         raise TypeError(f"model_config must be a TransformerConfig, got {type(model_config)}")
     if not isinstance(train_config, TrainConfig):
@@ -260,22 +284,32 @@ def train(
             f"({data.vocab_size})"
         )
     distributed.rank_slice(cfg.batch_size, distributed.env_world_size(), 0, cfg.grad_accum)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
-    ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
-    if resume and (ckpt_path is None or not ckpt_path.is_file()):
-        raise FileNotFoundError(
-            f"resume needs a checkpoint at {ckpt_path or 'out_dir/' + CHECKPOINT_NAME}"
-        )
-    block_size = cfg.block_size or model_config.block_size
     if stop_after is not None:
         check_positive_int(stop_after, "stop_after")
+    return cfg
 
-    ctx = distributed.setup(cfg.device)
-    try:
-        if ckpt_path is not None and ctx.is_main:
-            remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
+
+@dataclass
+class _Run:
+    """What a run carries from step to step and into its checkpoint: the (unwrapped) model,
+    optimizer, schedule, data sampler, history and the number of steps done."""
+
+    model_config: TransformerConfig
+    cfg: TrainConfig
+    model: TransformerLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    batches: CorpusBatches | MQARBatches
+    metadata: dict
+    history: dict = field(default_factory=lambda: {"train": [], "val": []})
+    step: int = 0
+
+    @classmethod
+    def start(cls, model_config, cfg, data, block_size, device, metadata) -> _Run:
+        """A fresh run: torch's global RNG seeded with ``cfg.seed``, then the model (weights
+        from ``model_config.seed``), AdamW, the schedule and the data sampler."""
         torch.manual_seed(cfg.seed)
-        model = TransformerLM(model_config).to(ctx.device)
+        model = TransformerLM(model_config).to(device)
         optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
         )
@@ -283,125 +317,76 @@ def train(
             optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
         )
         batches = make_batches(data, block_size, cfg.seed)
-        history = {"train": [], "val": []}
-        step = 0
-        if resume:
-            state = load_checkpoint(ckpt_path, map_location=ctx.device)
-            if state.get("model_config") != asdict(model_config):
-                raise CheckpointError(
-                    f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
-                    "model_config (resume takes the checkpoint's)"
-                )
-            try:
-                model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
-                scheduler.lr_lambdas[0].total_steps = cfg.steps  # the run may be extended
-                for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-                    group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
-                batches.load_state_dict(state["data"])
-                history, step = state["history"], int(state["step"])
-            except (KeyError, TypeError, ValueError, RuntimeError) as err:
-                detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-                raise CheckpointError(
-                    f"checkpoint {ckpt_path} does not fit this run ({type(err).__name__}: {detail})"
-                ) from None
-        raw_model = model
-        if ctx.distributed:
-            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        if cfg.compile is not None:  # after DDP, as torch recommends; state_dict from raw_model
-            model = torch.compile(model, backend=cfg.compile)
-        rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
-        micro = (rows.stop - rows.start) // cfg.grad_accum
-        main = ctx.is_main
-        logged = _logged(history, cfg.log_interval, cfg.steps)
-        files = _MetricFiles(out_dir if main else None, logged)
+        return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {})
 
-        def save():
-            if ckpt_path is None or not main:
-                return
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": raw_model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "data": batches.state_dict(),
-                    "step": step,
-                    "model_config": asdict(model_config),
-                    "train_config": asdict(cfg),
-                    "history": history,
-                    "metadata": metadata or {},
-                },
+    def restore(self, ckpt_path: Path, device) -> None:
+        """Continue the run saved at ``ckpt_path`` (its RNG states included); the schedule is
+        stretched to ``cfg.steps`` when the run is extended. ``CheckpointError`` when the
+        checkpoint does not fit this run."""
+        state = load_checkpoint(ckpt_path, map_location=device)
+        if state.get("model_config") != asdict(self.model_config):
+            raise CheckpointError(
+                f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
+                "model_config (resume takes the checkpoint's)"
             )
+        optimizer, scheduler = self.optimizer, self.scheduler
+        try:
+            self.model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scheduler.lr_lambdas[0].total_steps = self.cfg.steps  # the run may be extended
+            for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+                group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
+            self.batches.load_state_dict(state["data"])
+            self.history, self.step = state["history"], int(state["step"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise CheckpointError(
+                f"checkpoint {ckpt_path} does not fit this run ({type(err).__name__}: {detail})"
+            ) from None
 
-        bar = tqdm(
-            total=cfg.steps, initial=step, disable=not (progress and main), dynamic_ncols=True
-        )
-        elapsed = history["train"][-1]["elapsed_s"] if history["train"] else 0.0
-        tokens = history["train"][-1]["tokens"] if history["train"] else 0
-        model.train()
-        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-        while step < end:
-            if cfg.warm_start_steps:  # steps 1..N exact; the mode follows the step on resume
-                raw_model.set_exact_attention(step < cfg.warm_start_steps)
-            t0 = time.perf_counter()
-            x, y = batches.next(cfg.batch_size)
-            x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
-            lr = optimizer.param_groups[0]["lr"]
-            loss_sum = torch.zeros((), device=ctx.device)
-            for k in range(cfg.grad_accum):
-                sync = k == cfg.grad_accum - 1 or not ctx.distributed
-                part = slice(k * micro, (k + 1) * micro)
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    with _autocast(cfg, ctx.device):
-                        _, loss = model(x[part], y[part])
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach().float()
-            if cfg.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            loss_value = float(distributed.mean_over_ranks(loss_sum / cfg.grad_accum, ctx))
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"training loss became {loss_value} at step {step + 1}")
-            step += 1
-            dt = time.perf_counter() - t0
-            elapsed += dt
-            tokens += x.numel() * ctx.world_size
-            row = {
-                "step": step,
-                "split": "train",
-                "loss": loss_value,
-                "lr": lr,
-                "tokens": tokens,
-                "tokens_per_s": x.numel() * ctx.world_size / max(dt, 1e-9),
-                "elapsed_s": elapsed,
-            }
-            history["train"].append(row)
-            if step % cfg.log_interval == 0 or step == cfg.steps:
-                files.write(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            last = step == cfg.steps
-            if last or (cfg.eval_interval and step % cfg.eval_interval == 0):
-                if cfg.warm_start_steps:
-                    raw_model.set_exact_attention(step < cfg.warm_start_steps)
-                val_loss, acc = _evaluate(raw_model, data, cfg, block_size, ctx)
-                vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
-                history["val"].append(vrow)
-                files.write(vrow)
-                if progress and main:
-                    bar.write(f"step {step}: val loss {val_loss:.4f}, accuracy {acc:.4f}")
-            if step == end or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                save()
-        bar.close()
-        history["model"] = raw_model
-        return history
-    finally:
-        distributed.teardown(ctx)
+    def checkpoint_state(self) -> dict:
+        """The state ``save_checkpoint`` writes (``restore`` reads it back)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.batches.state_dict(),
+            "step": self.step,
+            "model_config": asdict(self.model_config),
+            "train_config": asdict(self.cfg),
+            "history": self.history,
+            "metadata": self.metadata,
+        }
+
+
+def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[float, int]:
+    """One optimizer step of ``model`` (``run.model``, maybe wrapped in DDP / compiled) on
+    the next global batch: this rank's ``rows`` in ``grad_accum`` micro-batches, the mean
+    loss back-propagated (DDP syncs on the last micro-batch), clipping, AdamW, schedule.
+    Returns (mean loss over the global batch, tokens of the global batch)."""
+    cfg = run.cfg
+    x, y = run.batches.next(cfg.batch_size)
+    x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
+    micro = (rows.stop - rows.start) // cfg.grad_accum
+    loss_sum = torch.zeros((), device=ctx.device)
+    for k in range(cfg.grad_accum):
+        sync = k == cfg.grad_accum - 1 or not ctx.distributed
+        part = slice(k * micro, (k + 1) * micro)
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with _autocast(cfg, ctx.device):
+                _, loss = model(x[part], y[part])
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach().float()
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    loss_value = float(distributed.mean_over_ranks(loss_sum / cfg.grad_accum, ctx))
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"training loss became {loss_value} at step {run.step + 1}")
+    return loss_value, x.numel() * ctx.world_size
 
 
 def _logged(history: dict, log_interval: int, total_steps: int) -> list[dict]:

@@ -37,6 +37,7 @@ from .linearize import (
     evaluate_loss,
     finetune,
     linearize,
+    linearize_saved,
     trainable_attention_parameters,
 )
 from .lora import lora_targets, peft_modules_to_save
@@ -52,6 +53,7 @@ __all__ = [
     "evaluate_loss",
     "finetune",
     "linearize",
+    "linearize_saved",
     "load_converted",
     "lora_targets",
     "peft_modules_to_save",

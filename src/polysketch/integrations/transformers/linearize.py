@@ -14,7 +14,9 @@ Following Hedgehog (Zhang et al. 2024) and LoLCATs (Zhang et al. 2025):
   projections plus the added modules, merged back afterwards, or a full fine-tune.
 
 ``linearize`` runs all of it and measures the validation loss (nats/token; perplexity =
-exp) of the original, after conversion, after stage 1 and after stage 2. With LoRA, the
+exp) of the original, after conversion, after stage 1 and after stage 2; ``linearize_saved``
+does it for a model saved with ``save_pretrained`` and a ``polysketch.data`` corpus, and saves
+and reloads the converted model (what ``polysketch linearize`` runs). With LoRA, the
 target modules (``lora_targets``: the linear layers of the attention modules, or the names
 given) are checked against the model before any work, so a model they do not fit fails at
 once, not after conversion and transfer.
@@ -33,18 +35,22 @@ after ``get_peft_model`` (what ``finetune`` does)::
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from ..._checks import check_float, check_int, check_positive_int
+from ..._files import replace_dir
+from ...data.corpus import load_corpus
 from ...train.batches import CorpusBatches
-from .convert import attention_modules, convert, converted_cores
+from .convert import attention_modules, convert, converted_cores, load_converted
 from .lora import lora_model, lora_targets, peft_modules_to_save, require_peft
 
 __all__ = [
@@ -53,6 +59,7 @@ __all__ = [
     "evaluate_loss",
     "finetune",
     "linearize",
+    "linearize_saved",
     "lora_targets",
     "peft_modules_to_save",
     "trainable_attention_parameters",
@@ -364,3 +371,55 @@ def linearize(
     res["decode_state"] = [decode_state_floats(model, t) for t in (cfg.seq_len, 65536)]
     res["seconds"] = time.perf_counter() - t0
     return model, res
+
+
+def linearize_saved(
+    model_path: str | os.PathLike,
+    attention: str,
+    data: str,
+    *,
+    config: LinearizeConfig | None = None,
+    save_to: str | os.PathLike | None = None,
+    chunk_size: int = 64,
+    max_bytes: int | None = None,
+    **map_kwargs,
+) -> dict:
+    """``linearize`` a causal LM saved with ``save_pretrained`` on a byte-level corpus.
+
+    Loads ``model_path`` with ``AutoModelForCausalLM.from_pretrained``, reads ``data``
+    (``polysketch.data.load_corpus``: ``shakespeare``, ``stdlib`` or a text path; at most
+    ``max_bytes``), seeds torch with ``config.seed`` and runs ``linearize`` (``chunk_size``
+    and ``map_kwargs`` go to ``convert``). With ``save_to``, the converted model is saved
+    there atomically (a folder swapped into place) and reloaded with ``load_converted``; its
+    validation loss is ``loss_reloaded``. Returns ``linearize``'s results plus ``model`` and
+    ``data`` (the paths given). The model must have a byte vocabulary (>= 256 ids): a
+    ValueError otherwise.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = LinearizeConfig() if config is None else config
+    corpus = load_corpus(data, max_bytes=max_bytes)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if vocab < corpus.vocab_size:
+        raise ValueError(
+            f"model {model_path} has a vocabulary of {vocab} ids; the byte-tokenized data "
+            f"needs >= {corpus.vocab_size}"
+        )
+    torch.manual_seed(cfg.seed)
+    model, res = linearize(
+        model, corpus.train, corpus.val, attention=attention, config=cfg,
+        chunk_size=chunk_size, seed=cfg.seed, **map_kwargs,
+    )  # fmt: skip
+    res["model"] = str(model_path)
+    res["data"] = str(data)
+    if save_to is not None:
+        reloaded = load_converted(_save_model_atomically(model, Path(save_to)))
+        ev = {"seq_len": cfg.seq_len, "batch_size": EVAL_BATCH, "max_batches": cfg.eval_batches}
+        res["loss_reloaded"] = evaluate_loss(reloaded, corpus.val, **ev)
+    return res
+
+
+def _save_model_atomically(model: nn.Module, path: Path) -> Path:
+    """``save_pretrained`` into a temporary folder, then swap it into ``path``."""
+    return replace_dir(path, model.save_pretrained)

@@ -12,11 +12,12 @@ map (``llops``). This module does the same with our pieces, in three stages:
 1. ``train_exact``: a ``TransformerLM`` with ``attention="polynomial"`` at degree p (LayerNorm
    on q/k, normalizer 1 + Σ) trained on MQAR (``polysketch.eval.mqar_sweep.train_one``);
 2. ``capture_files``: the (Q, K) each chosen layer's attention core receives
-   (``polysketch.eval.capture.capture_qk``), per head, written as ``.pt`` files
+   (``polysketch.eval.fidelity.capture.capture_qk``), per head, written as ``.pt`` files
    ``{"q": (N, D), "k": (N, D)}``: a ``test`` file from validation sequences and a ``fit``
    file from training sequences (so the fitted maps are measured out of sample);
-3. ``measure``: ``polysketch approx --source TEST --fit-source FIT --target polynomial`` on each
-   file pair (the CLI a user would run), collected into one table. LLoPS is fitted as
+3. ``measure``: what ``polysketch approx --source TEST --fit-source FIT --target polynomial``
+   measures, on each file pair (``polysketch.eval.fidelity.approx``, the library behind that
+   command; its files are written to ``OUT/approx/``), collected into one table. LLoPS is fitted as
    ``LLoPS.fit`` does by default: the closed-form data start (``features.llops_init``: the
    best rank-s bilinear form of the fit samples, raised to the p-th power through its
    monomials), then Adam on Eq. 6; the start alone is measured too (``llops_start``).
@@ -30,7 +31,6 @@ handles them.
 
 from __future__ import annotations
 
-import csv
 import re
 import time
 from collections.abc import Sequence
@@ -38,13 +38,15 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_positive_int
-from .capture import capture_qk
-from .data_sources import load_qk
-from .fidelity import relative_frobenius_error, rmae
-from .mqar_sweep import LLOPS, make_data, train_one
-from .optimal_rank import fitted_optima, optimal_rank_error_of
-from .plots import save_png, subplots
+from polysketch._checks import check_positive_int
+from polysketch._files import write_csv
+from polysketch.eval.fidelity import approx
+from polysketch.eval.fidelity.capture import capture_qk
+from polysketch.eval.fidelity.data_sources import load_qk
+from polysketch.eval.fidelity.metrics import relative_frobenius_error, rmae
+from polysketch.eval.mqar_sweep import LLOPS, make_data, train_one
+from polysketch.eval.plots import save_png, subplots
+from polysketch.features.optimal_rank import fitted_optima, optimal_rank_error_of
 
 __all__ = [
     "SETTINGS",
@@ -136,15 +138,33 @@ MAP_NAMES = {
 """Table labels of the rows' ``map`` keys."""
 
 
-def _approx(argv: list[str], out: Path) -> list[dict]:
-    from ..cli import main
-
-    # --overwrite: this driver owns ``out`` and re-measures into it (--reuse-captures)
-    status = main([*argv, "--out", str(out), "--overwrite", "--no-progress"])
-    if status != 0:
-        raise RuntimeError(f"polysketch {' '.join(argv)} exited with {status}")
-    with open(out / "results.csv", newline="") as f:
-        return [r for r in csv.DictReader(f) if not r.get("skipped")]
+def _approx(
+    test: Path,
+    fit: Path,
+    out: Path,
+    *,
+    names,
+    degree,
+    fit_steps,
+    fit_init=None,
+    feature_dims,
+    num,
+    trials,
+    seed,
+    fit_num,
+) -> list[dict]:
+    """``polysketch approx --target polynomial`` on one file pair, through its library
+    (``eval.fidelity.approx``): the measured rows (not skipped); its files go to ``out``."""
+    q, k = load_qk(str(test), dim=None, num=num, seed=seed)
+    fit_data = approx.fit_samples(str(test), dim=q.shape[-1], num=num, seed=seed,
+                                  fit_source=str(fit), fit_num=fit_num)  # fmt: skip
+    result = approx.measure_polynomial(
+        q, k, names, degrees=[degree], feature_dims=feature_dims, trials=trials, seed=seed,
+        progress=False, fit_steps=fit_steps, fit_init=fit_init, fit_data=fit_data,
+        target="polynomial", fit_maps=["llops"],
+    )  # fmt: skip
+    approx.write_polynomial(result, out)
+    return [r for r in result["rows"] if not r.get("skipped")]
 
 
 def measure(
@@ -160,21 +180,17 @@ def measure(
     seed: int = 0,
     fit_num: int = 4096,
 ) -> list[dict]:
-    """``polysketch approx`` on one file pair: the PSF sketch and LLoPS fitted on ``fit``
-    (closed-form data start + ``fit_steps`` Adam steps), then LLoPS at the data start alone
+    """``polysketch approx``'s measurement on one file pair: the PSF sketch and LLoPS fitted on
+    ``fit`` (closed-form data start + ``fit_steps`` Adam steps), then LLoPS at the data start alone
     (``--fit-steps 0 --fit-init data``, rows relabelled ``llops_start``); returns the
     ``results.csv`` rows of both runs and one ``eq7_fitted`` row per F (``eq7_fitted``).
     Every fit uses up to ``fit_num`` fitting vectors (default 4096: all that ``capture_files``
     writes at its defaults, 64 sequences of T = 64)."""
-    common = [
-        "approx", "--source", str(test), "--fit-source", str(fit), "--degrees", str(degree),
-        "--feature-dims", *map(str, feature_dims), "--target", "polynomial",
-        "--num", str(num), "--trials", str(trials), "--seed", str(seed),
-        "--fit-num", str(fit_num),
-    ]  # fmt: skip
-    rows = _approx([*common, "--maps", "polysketch", "llops", "--fit-steps", str(fit_steps)], out)
-    start = _approx([*common, "--maps", "llops", "--fit-steps", "0", "--fit-init", "data"],
-                    out / "data_start")  # fmt: skip
+    common = dict(degree=degree, feature_dims=feature_dims, num=num, trials=trials, seed=seed,
+                  fit_num=fit_num)  # fmt: skip
+    rows = _approx(test, fit, out, names=["polysketch", "llops"], fit_steps=fit_steps, **common)
+    start = _approx(test, fit, out / "data_start", names=["llops"], fit_steps=0,
+                    fit_init="data", **common)  # fmt: skip
     rows += [{**r, "map": "llops_start"} for r in start]
     return rows + eq7_fitted(test, fit, degree=degree, feature_dims=feature_dims, num=num,
                              seed=seed, fit_num=fit_num)  # fmt: skip
@@ -205,9 +221,9 @@ def eq7_fitted(
     exact = (q @ k.T) ** degree
     approxes = fitted_optima(q_fit, k_fit, q, k, degree=degree, ranks=feature_dims)
     rows = []
-    for f, approx in zip(feature_dims, approxes, strict=True):
-        rows.append({"map": "eq7_fitted", "num_features": f, "rmae_mean": rmae(approx, exact),
-                     "rel_frobenius_mean": relative_frobenius_error(approx, exact),
+    for f, estimate in zip(feature_dims, approxes, strict=True):
+        rows.append({"map": "eq7_fitted", "num_features": f, "rmae_mean": rmae(estimate, exact),
+                     "rel_frobenius_mean": relative_frobenius_error(estimate, exact),
                      "optimal_rel": optimal_rank_error_of(exact, f).relative})  # fmt: skip
     return rows
 
@@ -298,11 +314,7 @@ def run(
                              "layer": layer, "head": head, "rmae": float(r["rmae_mean"]),
                              "rel_frobenius": float(r["rel_frobenius_mean"]),
                              "optimal_rel": float(r["optimal_rel"])})  # fmt: skip
-    fields = list(rows[0])
-    with open(out / "table3.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "table3.csv")
     table = summarize(rows)
     info = (
         f"Models: {s['n_layer']} layers x {s['n_embd']} (head dim "

@@ -5,21 +5,12 @@ treated as a batch), a feature map gives the approximate kernel matrix
 ``A = φq(Q) φk(K)ᵀ`` (squared elementwise for ``square`` maps) and its ``target_kernel``
 gives the exact matrix ``E`` (for polynomial maps ``E = (Q Kᵀ)^{∘p}``). Metrics:
 
-- relative Frobenius error ``‖A − E‖_F / ‖E‖_F``;
-- RMAE, LLoPS Eq. 21: ``mean_ij |E_ij − A_ij| / |E_ij|``;
-- max relative error ``max_ij |E_ij − A_ij| / |E_ij|``;
+- the metrics of ``metrics``: relative Frobenius error, RMAE (LLoPS Eq. 21, with a guarded
+  denominator) and max relative error;
 - the Eckart–Young optimum (LLoPS Thm 3.1, Eq. 7): no m-dimensional feature map can beat
   ``min_{rank ≤ m} ‖A − E‖_F = sqrt(Σ_{i>m} σ_i²)``, σ_i the singular values of E, reached by
   the truncated SVD ``U Σ_m Vᵀ``. A map's effective rank is its ``state_dim`` (F, or F² for
   ``square`` maps, whose scores are (φq·φk)² = (φq⊗φq)·(φk⊗φk)).
-
-**Denominator guard.** Eq. 21 divides by the exact score. For data whose scores have a
-density at zero (e.g. Gaussian q, k) the expectation of Eq. 21 is infinite (∫ ds/|s| diverges
-at s = 0), so the sample mean is dominated by the few pairs with the smallest |E_ij|. RMAE
-and the max relative error therefore divide by ``max(|E_ij|, rel_floor · max_ij |E_ij|)``
-(per matrix, ``rel_floor`` default 1e-3): pairs whose exact score is below 0.1% of the
-largest score are measured relative to that floor. ``rel_floor=0`` gives Eq. 21 verbatim
-(inf when some E_ij = 0 and A_ij ≠ 0).
 """
 
 from __future__ import annotations
@@ -32,96 +23,24 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_choice, check_float, check_int, check_positive_int, check_tensor
-from ..features import FeatureMap, get_class
-from ..features.optimal_rank import (
+from ..._checks import check_choice, check_float, check_int, check_positive_int
+from ...features import FeatureMap, get_class
+from ...features.optimal_rank import (
     OptimalError,
     check_qk,
-    fitted_optimum,
-    optimal_curve,
-    optimal_rank_approximation,
-    optimal_rank_error,
     optimal_rank_error_of,
     polynomial_target,
 )
-from ..random import fresh_seed, make_generator
+from ...random import fresh_seed, make_generator
+from .metrics import (
+    METRICS,
+    kernel_matrices,
+    max_relative_error,
+    relative_frobenius_error,
+    rmae,
+)
 
-__all__ = [
-    "polynomial_target",
-    "kernel_matrices",
-    "relative_frobenius_error",
-    "rmae",
-    "max_relative_error",
-    "OptimalError",
-    "optimal_rank_approximation",
-    "optimal_rank_error_of",
-    "optimal_rank_error",
-    "optimal_curve",
-    "fitted_optimum",
-    "evaluate_map",
-    "sweep",
-]
-
-METRICS = ("rel_frobenius", "rmae", "max_rel")
-
-
-def _check_pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
-    approx = check_tensor(approx, "approx")
-    exact = check_tensor(exact, "exact")
-    if approx.shape != exact.shape:
-        raise ValueError(
-            f"approx and exact must have the same shape, got {tuple(approx.shape)} "
-            f"and {tuple(exact.shape)}"
-        )
-    return approx.to(torch.float64), exact.to(torch.float64)
-
-
-@torch.no_grad()
-def kernel_matrices(
-    feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, E) = (φq(Q)φk(K)ᵀ [squared if square], target_kernel(Q, K)), each (..., Nq, Nk)."""
-    if not isinstance(feature_map, FeatureMap):
-        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
-    q, k = check_qk(q, k)
-    return feature_map.approx_kernel(q, k), feature_map.target_kernel(q, k)
-
-
-def relative_frobenius_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """‖A − E‖_F / ‖E‖_F over all entries (and leading dims); 0/0 = 0, x/0 = inf."""
-    approx, exact = _check_pair(approx, exact)
-    num, den = float((approx - exact).norm()), float(exact.norm())
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
-
-
-def _relative_entries(approx, exact, rel_floor) -> torch.Tensor:
-    """|A − E| / max(|E|, rel_floor · max|E|), elementwise (see the module docstring)."""
-    approx, exact = _check_pair(approx, exact)
-    rel_floor = check_float(rel_floor, "rel_floor", minimum=0.0)
-    mag = exact.abs()
-    floor = rel_floor * float(mag.max()) if mag.numel() else 0.0
-    err = (approx - exact).abs()
-    den = mag.clamp_min(floor)
-    # 0/0 (exact zero score reproduced exactly) counts as no error.
-    return torch.where(err == 0, torch.zeros_like(err), err / den)
-
-
-def rmae(approx: torch.Tensor, exact: torch.Tensor, *, rel_floor: float = 1e-3) -> float:
-    """Relative mean absolute error, LLoPS Eq. 21: mean_ij |E_ij − A_ij| / |E_ij|.
-
-    approx, exact: (..., Nq, Nk). The denominator is guarded by ``rel_floor`` (module
-    docstring); ``rel_floor=0`` is Eq. 21 verbatim.
-    """
-    return float(_relative_entries(approx, exact, rel_floor).mean())
-
-
-def max_relative_error(
-    approx: torch.Tensor, exact: torch.Tensor, *, rel_floor: float = 1e-3
-) -> float:
-    """max_ij |E_ij − A_ij| / max(|E_ij|, rel_floor · max|E|): the worst guarded entry."""
-    return float(_relative_entries(approx, exact, rel_floor).max())
+__all__ = ["evaluate_map", "sweep"]
 
 
 # ----- evaluating maps ---------------------------------------------------------------------
@@ -231,34 +150,7 @@ def evaluate_map(
         num_features = check_positive_int(num_features, "num_features")
     start = time.perf_counter()
     gen = make_generator(seed)
-
-    if isinstance(name, FeatureMap):
-        template = copy.deepcopy(name)
-        label = template.name or type(template).__name__
-        stochastic = template.is_random
-
-        def build(trial_seed: int) -> FeatureMap:
-            fm = copy.deepcopy(template)
-            if stochastic:
-                fm.redraw_(make_generator(trial_seed))
-            return fm
-
-    elif isinstance(name, str):
-        cls = get_class(name)
-        label = name
-        kwargs = dict(map_kwargs)
-        if cls.takes("degree"):
-            kwargs.setdefault("degree", degree)
-        if num_features is not None and cls.takes("num_features"):
-            kwargs.setdefault("num_features", num_features)
-        stochastic = bool(cls.is_random) or cls.takes("seed")
-
-        def build(trial_seed: int) -> FeatureMap:
-            extra = {"seed": trial_seed} if stochastic and "generator" not in kwargs else {}
-            return cls(q.shape[-1], **kwargs, **extra)
-
-    else:
-        raise TypeError(f"name must be a map name or a FeatureMap, got {type(name).__name__}")
+    label, stochastic, build = _map_builder(name, q.shape[-1], degree, num_features, map_kwargs)
 
     n_trials = trials if stochastic else 1
     fitting = (fit_steps > 0 or fit_init is not None) and callable(getattr(build(0), "fit", None))
@@ -283,6 +175,49 @@ def evaluate_map(
         values["rmae"].append(rmae(approx, exact, rel_floor=rel_floor))
         values["max_rel"].append(max_relative_error(approx, exact, rel_floor=rel_floor))
 
+    row = _row(label, fm, degree, num_features, n_trials, values, optima, optimum_floor)
+    row["fitted"] = fit_steps if fitting else 0
+    row["fit_init"] = (fit_init or "default") if fitting else ""
+    row["target"] = _describe_target(exact, q, k)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _map_builder(name, dim: int, degree: int, num_features: int | None, map_kwargs: dict):
+    """(label, stochastic, build): ``build(seed)`` makes the trial's map of ``name`` (a
+    registry name or a ``FeatureMap`` to copy and, if random, redraw); ``stochastic``: whether
+    trials differ (the map is random or takes a seed)."""
+    if isinstance(name, FeatureMap):
+        template = copy.deepcopy(name)
+        stochastic = template.is_random
+
+        def build(trial_seed: int) -> FeatureMap:
+            fm = copy.deepcopy(template)
+            if stochastic:
+                fm.redraw_(make_generator(trial_seed))
+            return fm
+
+        return template.name or type(template).__name__, stochastic, build
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a map name or a FeatureMap, got {type(name).__name__}")
+    cls = get_class(name)
+    kwargs = dict(map_kwargs)
+    if cls.takes("degree"):
+        kwargs.setdefault("degree", degree)
+    if num_features is not None and cls.takes("num_features"):
+        kwargs.setdefault("num_features", num_features)
+    stochastic = bool(cls.is_random) or cls.takes("seed")
+
+    def build(trial_seed: int) -> FeatureMap:
+        extra = {"seed": trial_seed} if stochastic and "generator" not in kwargs else {}
+        return cls(dim, **kwargs, **extra)
+
+    return name, stochastic, build
+
+
+def _row(label, fm, degree, num_features, n_trials, values, optima, optimum_floor) -> dict:
+    """The result row of ``evaluate_map``: the map's sizes, mean ± std of each metric over
+    the trials, the mean Eckart–Young optimum at rank ``state_dim`` and the ratio to it."""
     opt = OptimalError(
         sum(o.absolute for o in optima) / len(optima),
         sum(o.relative for o in optima) / len(optima),
@@ -309,10 +244,6 @@ def evaluate_map(
     else:
         row["ratio_to_optimal"] = row["rel_frobenius_mean"] / opt.relative
         row["ratio_note"] = ""
-    row["fitted"] = fit_steps if fitting else 0
-    row["fit_init"] = (fit_init or "default") if fitting else ""
-    row["target"] = _describe_target(exact, q, k)
-    row["seconds"] = time.perf_counter() - start
     return row
 
 

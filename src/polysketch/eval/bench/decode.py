@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_int, check_positive_int
+from ..._checks import check_int, check_positive_int
 
 __all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode", "rows_of",
            "run_decode_benchmark", "format_decode_report", "write_decode_csv"]  # fmt: skip
@@ -114,7 +114,7 @@ def rows_of(runs_by_position: dict[int, dict[str, list[float]]]) -> list[dict]:
 
 
 def _model(config: DecodeBenchConfig, attention: str):
-    from ..nn import TransformerConfig, TransformerLM
+    from ...nn import TransformerConfig, TransformerLM
 
     cfg = TransformerConfig(vocab_size=config.vocab_size, n_layer=config.n_layer,
                             n_head=config.n_head, n_embd=config.n_embd, attention=attention,
@@ -174,7 +174,7 @@ def format_decode_report(rows: list[dict], title: str = "decode ms/token") -> st
 
 def write_decode_csv(rows: list[dict], path) -> object:
     """Write the rows (``DECODE_FIELDS``) to ``path`` atomically; returns the path."""
-    from .._files import atomic_write
+    from ..._files import atomic_write
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=DECODE_FIELDS)

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..nn import PRESETS, TransformerConfig, valid_attentions
-from ..train import TrainConfig, train
-from .plots import save_png, subplots
+from polysketch.eval.plots import save_png, subplots
+from polysketch.nn import PRESETS, TransformerConfig, valid_attentions
+from polysketch.train import TrainConfig, train
 
 __all__ = [
     "default_attentions",

@@ -14,7 +14,8 @@ cos⁴θ + ≈1/r instead of cos⁴θ. At position t the floor sums to ≈ t/r a
 the best-matching key, so beyond t ≈ r the sketched attention is mostly a uniform average of
 the prefix — a limit no amount of training removes (scaling q or k scales both terms).
 
-* ``capture_qkv`` records the (q, k, v) each layer's attention core receives.
+* ``capture_qkv`` (``polysketch.eval.fidelity.capture``) records the (q, k, v) each layer's
+  attention core receives.
 * ``layer_errors`` runs exact polynomial attention and sketched variants on the same
   (q, k, v) (teacher forcing: every layer gets the exact model's inputs) and reports the
   relative output error, the floor share (the part of the sketch's normalizer that is bias,
@@ -39,11 +40,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..features import create
-from ..nn.heads import head_seed
-from ..ops import linear_attention, polynomial_attention
-from ..ops.mixed import mixed_attention
-from .capture import attention_layers
+from polysketch.eval.fidelity.capture import attention_layers, capture_qkv
+from polysketch.features import create
+from polysketch.nn.heads import head_seed
+from polysketch.ops import linear_attention, polynomial_attention
+from polysketch.ops.mixed import mixed_attention
 
 __all__ = [
     "capture_qkv",
@@ -57,34 +58,6 @@ __all__ = [
     "normalizer_sign_stats",
     "grad_norms",
 ]
-
-
-@torch.no_grad()
-def capture_qkv(model: nn.Module, idx: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """(q, k, v) (B, H, T, D) entering each ``KernelAttention`` core (post-LN, post-RoPE)."""
-    layers = attention_layers(model)
-    records: dict[int, tuple] = {}
-
-    def wrap(i, layer):
-        core = layer._attend
-
-        def recording(q, k, v, *args, **kwargs):
-            records[i] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
-            return core(q, k, v, *args, **kwargs)
-
-        return recording
-
-    was = model.training
-    model.eval()
-    try:
-        for i, layer in enumerate(layers):
-            layer._attend = wrap(i, layer)
-        model(idx)
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("_attend", None)
-        model.train(was)
-    return [records[i] for i in range(len(layers))]
 
 
 def sketch_features(

@@ -31,9 +31,9 @@ would exceed it (reported ``skipped (memory)``), whatever backend would have run
 
 from __future__ import annotations
 
-from ..ops.chunked import _block_elements
-from ..ops.dispatch import CPU_GROUP_BYTES as GROUP_BYTES
-from ..ops.pairs import state_dim
+from ...ops.chunked import _block_elements
+from ...ops.dispatch import CPU_GROUP_BYTES as GROUP_BYTES
+from ...ops.pairs import state_dim
 
 __all__ = ["chunked_flops", "sdpa_flops", "chunked_memory", "sdpa_memory"]
 

@@ -13,75 +13,44 @@ One run measures, on one device and with a fixed thread count, for sequence leng
   token plus ``linear_attention_step`` on the state of a real prefill of P tokens (constant
   size), for ``sdpa`` one query attending a KV cache of P keys (no cache append).
 
-Timing: ``time.perf_counter`` around each call (device synchronised), one warm-up call, then
-repeats until ``min_time`` seconds and ``min_repeats`` calls have passed (at most
-``max_repeats``); the median is reported. Matmul peak: the median GFLOP/s of an n×n fp32
-matmul, n = 4096 (2048 with ``quick``), timed in the same run.
+Timing: ``timing.time_call``: ``torch.utils.benchmark.Timer.blocked_autorange`` for
+``min_time`` seconds after its warm-up (the device synchronised), at least ``min_repeats``
+timed calls; the median time per call is reported. Matmul peak: the median GFLOP/s of an n×n
+fp32 matmul, n = 4096 (2048 with ``quick``), timed in the same run.
 
-FLOPs and memory: the analytic cost model of ``polysketch.eval.bench_costs``.
+FLOPs and memory: the analytic cost model of ``polysketch.eval.bench.costs``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as nnf
 
-from .._checks import check_choice, check_float, check_positive_int
-from ..features import create
-from ..ops import linear_attention, linear_attention_step, mixed_attention
-from .bench_costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
-from .bench_report import CSV_FIELDS, format_report, plot_results, times_of, write_csv
+from ..._checks import check_choice, check_float, check_positive_int
+from ...features import create
+from ...ops import linear_attention, linear_attention_step, mixed_attention
+from .costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
+from .report import CSV_FIELDS, times_of
+from .timing import MALLOC_TOP_PAD, peak_memory, set_malloc_top_pad, time_call
 
 __all__ = [
     "BenchConfig",
     "DEFAULT_LENGTHS",
     "QUICK_LENGTHS",
+    "METHODS",
+    "MODES",
+    "DTYPES",
     "parse_lengths",
-    "chunked_flops",
-    "sdpa_flops",
-    "time_call",
     "run_benchmark",
-    "set_malloc_top_pad",
-    "MALLOC_TOP_PAD",
-    "write_csv",
-    "plot_results",
-    "format_report",
 ]
-
-MALLOC_TOP_PAD = 2**30
-"""Bytes glibc ``malloc`` keeps at the top of the heap when memory is freed (``M_TOP_PAD``).
-
-The chunked scan allocates and frees several MiB of temporaries per block. With glibc's
-defaults, freed memory goes back to the OS and is page-faulted in again on the next block;
-in this project's VM that alone made causal polysketch attention 1.2-1.4x slower at
-T = 2k-16k and the F = 256 map up to 1.9x slower (SDPA, one fused kernel, is unaffected).
-``polysketch bench`` sets it for its process by default (``--default-malloc`` to measure
-without); users get the same effect with ``MALLOC_TOP_PAD_=1073741824`` in the environment
-or a caching allocator such as jemalloc or tcmalloc."""
-
-
-def set_malloc_top_pad(nbytes: int) -> bool:
-    """``mallopt(M_TOP_PAD, nbytes)`` on glibc; False where unavailable (no change then)."""
-    nbytes = check_positive_int(nbytes, "malloc_top_pad")
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(-2, min(nbytes, 2**31 - 1)))  # M_TOP_PAD = -2 in <malloc.h>
-
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 METHODS = ("sdpa", "polysketch", "positive", "psf_mixed")
@@ -107,7 +76,6 @@ class BenchConfig:
     max_memory_gb: float = 8.0
     min_time: float = 0.5
     min_repeats: int = 3
-    max_repeats: int = 50
     matmul_n: int = 4096
     threads: int | None = None  # default: os.cpu_count()
     # glibc M_TOP_PAD set for the whole process (not restored); None: leave malloc as it is
@@ -121,9 +89,7 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
-        base = dict(
-            lengths=QUICK_LENGTHS, min_time=0.0, min_repeats=1, max_repeats=1, matmul_n=1024
-        )
+        base = dict(lengths=QUICK_LENGTHS, min_time=0.0, min_repeats=1, matmul_n=1024)
         base.update(overrides)
         return cls(**base)
 
@@ -143,38 +109,6 @@ def parse_lengths(text: str | Sequence) -> tuple[int, ...]:
     if not out:
         raise ValueError("lengths must name at least one length")
     return tuple(sorted(set(out)))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], *, device, min_time, min_repeats, max_repeats):
-    """(median seconds, calls, min seconds) of ``fn()`` after one warm-up call (module doc)."""
-    fn()
-    _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_repeats or (
-        time.perf_counter() - start < min_time and len(times) < max_repeats
-    ):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), len(times), min(times)
-
-
-def _peak_memory(fn, device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
 
 
 def _sdpa_uses_math(q: torch.Tensor) -> bool:
@@ -284,9 +218,31 @@ def run_benchmark(config: BenchConfig) -> dict:
         torch.set_num_threads(previous_threads)
 
 
-def _run(config: BenchConfig) -> dict:
-    from tqdm.auto import tqdm
+@dataclass
+class _Setup:
+    """What every measurement of one run shares (built by ``_setup``)."""
 
+    config: BenchConfig
+    lengths: tuple[int, ...]
+    positions: tuple[int, ...]
+    budget: float  # bytes
+    chunk: int
+    device: torch.device
+    threads: int
+    top_pad: int | None
+    generator: torch.Generator
+    maps: dict
+    timer: dict  # time_call's keywords
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator).to(self.device)
+
+    def time(self, fn):
+        return time_call(fn, **self.timer)
+
+
+def _setup(config: BenchConfig) -> _Setup:
+    """Check ``config``, set the thread count (and malloc's top pad), draw the maps."""
     lengths = parse_lengths(config.lengths)
     positions = parse_lengths(config.decode_positions or lengths)
     budget = check_float(config.max_memory_gb, "max_memory_gb", minimum=0.0) * 2**30
@@ -297,117 +253,117 @@ def _run(config: BenchConfig) -> dict:
     top_pad = None
     if config.malloc_top_pad is not None and set_malloc_top_pad(config.malloc_top_pad):
         top_pad = config.malloc_top_pad
-    bsz, h, d, e = config.batch, config.heads, config.head_dim, config.head_dim
-    gen = torch.Generator().manual_seed(config.seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
-
-    maps = _bench_maps(config, device)
-    timer = dict(
-        device=device,
-        min_time=config.min_time,
-        min_repeats=config.min_repeats,
-        max_repeats=config.max_repeats,
-    )
-    train = config.mode == "train"
-    dtype = DTYPES[config.dtype]
-    section = "train" if train else "forward"
-    if train:
+    timer = dict(min_time=config.min_time, min_repeats=config.min_repeats)
+    if config.mode == "train":
         positions = ()  # decoding is inference: measured in mode "fwd"
+    return _Setup(
+        config, lengths, positions, budget, chunk, device, threads, top_pad,
+        torch.Generator().manual_seed(config.seed), _bench_maps(config, device), timer,
+    )  # fmt: skip
+
+
+def _run(config: BenchConfig) -> dict:
+    from tqdm.auto import tqdm
+
+    run = _setup(config)
+    section = "train" if config.mode == "train" else "forward"
     ours = [m for m in config.methods if m != "sdpa"]
-    decoded = {k: m for k, m in maps.items() if k in config.methods}  # maps with a decode state
-    steps = 1 + len(lengths) * len(config.methods) + len(positions) * (1 + len(decoded))
+    decoded = {k: m for k, m in run.maps.items() if k in config.methods}  # with a decode state
+    steps = 1 + len(run.lengths) * len(config.methods) + len(run.positions) * (1 + len(decoded))
     bar = tqdm(total=steps, desc="bench", disable=not config.progress, file=sys.stderr)
 
     n = config.matmul_n
-    t_mm = time_call(partial(_matmul, randn(n, n)), **timer)[0]
+    t_mm = run.time(partial(_matmul, run.randn(n, n))).median
     rows = _Rows(peak=2 * n**3 / t_mm / 1e9)
     bar.update()
-
-    forwards = {
-        "sdpa": _sdpa_forward,
-        "polysketch": partial(_ours_forward, maps["polysketch"]),
-        "positive": partial(_ours_forward, maps["positive"]),
-        "psf_mixed": partial(_mixed_forward, maps["polysketch"]),
-    }
-    for t in lengths:
+    for t in run.lengths:
         bar.set_postfix_str(f"{section} T={t}")
-        # LayerNorm'd q, k (as the models feed them), in the benchmarked dtype
-        q, k = (nnf.layer_norm(randn(bsz, h, t, d), (d,)).to(dtype) for _ in range(2))
-        v = randn(bsz, h, t, e).to(dtype)
-        grad = randn(bsz, h, t, e).to(dtype) if train else None
-        if train:
-            q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-        for method in config.methods:
-            forward = (
-                forwards[method]
-                if method == "sdpa"
-                else partial(forwards[method], chunk_size=chunk)
-            )
-            fn = (
-                partial(_train_step, forward, q, k, v, grad) if train else partial(forward, q, k, v)
-            )
-            fmap = (
-                None
-                if method in ("sdpa",)
-                else maps["polysketch" if method == "psf_mixed" else method]
-            )
-            if method == "sdpa" and bsz * h * t * t * 4 > budget and _sdpa_uses_math(q):
-                rows.add(section, method, t, "skipped (memory)")
-                bar.update()
-                continue
-            measured = _peak_memory(fn, device)
-            mem, flop = None, None
-            if measured is not None:
-                mem = (measured, "cuda")
-            if not train and method == "sdpa":
-                est = bsz * h * sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
-                mem = mem or (est, "analytic")
-                flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
-            elif not train and method in ("polysketch", "positive"):
-                f, sq = fmap.feature_dim, fmap.square
-                est = chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
-                mem = mem or (est, "analytic")
-                flop = (
-                    bsz
-                    * h
-                    * chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
-                )
-            rows.add(section, method, t, "ok", time_call(fn, **timer), flop, mem, fmap)
-            bar.update()
-
-    for p in positions:
+        _measure_length(run, t, section, rows, bar)
+    for p in run.positions:
         bar.set_postfix_str(f"decode P={p}")
-        q1, k1, v1 = randn(bsz, h, 1, d), randn(bsz, h, 1, d), randn(bsz, h, 1, e)
-        cache_bytes = bsz * h * p * (d + e) * 4
-        if cache_bytes > budget:
-            rows.add("decode", "sdpa", p, "skipped (memory)")
-        else:
-            fn = partial(_sdpa_decode, q1, randn(bsz, h, p, d), randn(bsz, h, p, e))
-            mem = (cache_bytes, "kv-cache")
-            rows.add("decode", "sdpa", p, "ok", time_call(fn, **timer), mem=mem)
-        bar.update()
-        for name, fmap in decoded.items():
-            pre_q, pre_k, pre_v = randn(bsz, h, p, d), randn(bsz, h, p, d), randn(bsz, h, p, e)
-            _, state = linear_attention(
-                fmap.query(pre_q), fmap.key(pre_k), pre_v, causal=True, square=fmap.square,
-                chunk_size=chunk, return_state=True,
-            )  # fmt: skip
-            timing = time_call(partial(_ours_decode, fmap, q1, k1, v1, state), **timer)
-            nbytes = 4 * (state.numerator.numel() + state.denominator.numel())
-            rows.add("decode", name, p, "ok", timing, mem=(nbytes, "state"), fmap=fmap)
-            bar.update()
+        _measure_decode(run, p, decoded, rows, bar)
     bar.close()
     return {
         "rows": list(rows),
         "peak_gflops": rows.peak,
-        "threads": threads,
-        "malloc_top_pad": top_pad,
-        "device": str(device),
-        "summary": _summarize(rows, lengths, ours, section),
+        "threads": run.threads,
+        "malloc_top_pad": run.top_pad,
+        "device": str(run.device),
+        "summary": _summarize(rows, run.lengths, ours, section),
         "config": config,
     }
+
+
+def _measure_length(run: _Setup, t: int, section: str, rows: _Rows, bar) -> None:
+    """One row per method at length ``t``: forward (or forward + backward) time, FLOPs and
+    memory (measured on CUDA, else the analytic model)."""
+    config, maps, chunk = run.config, run.maps, run.chunk
+    bsz, h, d, e = config.batch, config.heads, config.head_dim, config.head_dim
+    train = section == "train"
+    dtype = DTYPES[config.dtype]
+    forwards = {
+        "sdpa": _sdpa_forward,
+        "polysketch": partial(_ours_forward, maps["polysketch"], chunk_size=chunk),
+        "positive": partial(_ours_forward, maps["positive"], chunk_size=chunk),
+        "psf_mixed": partial(_mixed_forward, maps["polysketch"], chunk_size=chunk),
+    }
+    # LayerNorm'd q, k (as the models feed them), in the benchmarked dtype
+    q, k = (nnf.layer_norm(run.randn(bsz, h, t, d), (d,)).to(dtype) for _ in range(2))
+    v = run.randn(bsz, h, t, e).to(dtype)
+    grad = run.randn(bsz, h, t, e).to(dtype) if train else None
+    if train:
+        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    for method in config.methods:
+        forward = forwards[method]
+        fn = partial(_train_step, forward, q, k, v, grad) if train else partial(forward, q, k, v)
+        fmap = None if method == "sdpa" else maps["polysketch" if method == "psf_mixed" else method]
+        if method == "sdpa" and bsz * h * t * t * 4 > run.budget and _sdpa_uses_math(q):
+            rows.add(section, method, t, "skipped (memory)")
+            bar.update()
+            continue
+        measured = peak_memory(fn, run.device)
+        mem, flop = None, None
+        if measured is not None:
+            mem = (measured, "cuda")
+        if not train and method == "sdpa":
+            est = bsz * h * sdpa_memory(t, d=d, math_backend=_sdpa_uses_math(q))
+            mem = mem or (est, "analytic")
+            flop = bsz * h * sdpa_flops(t, head_dim=d, value_dim=e)
+        elif not train and method in ("polysketch", "positive"):
+            f, sq = fmap.feature_dim, fmap.square
+            est = chunked_memory(t, d=d, f=f, e=e, chunk=chunk, square=sq, slices=bsz * h)
+            mem = mem or (est, "analytic")
+            flop = (
+                bsz * h * chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
+            )
+        rows.add(section, method, t, "ok", run.time(fn), flop, mem, fmap)
+        bar.update()
+
+
+def _measure_decode(run: _Setup, p: int, decoded: dict, rows: _Rows, bar) -> None:
+    """Decode rows at position ``p``: SDPA over a KV cache of ``p`` keys, and each map's
+    recurrent step on the state of a real prefill of ``p`` tokens."""
+    config = run.config
+    bsz, h, d, e = config.batch, config.heads, config.head_dim, config.head_dim
+    q1, k1, v1 = run.randn(bsz, h, 1, d), run.randn(bsz, h, 1, d), run.randn(bsz, h, 1, e)
+    cache_bytes = bsz * h * p * (d + e) * 4
+    if cache_bytes > run.budget:
+        rows.add("decode", "sdpa", p, "skipped (memory)")
+    else:
+        fn = partial(_sdpa_decode, q1, run.randn(bsz, h, p, d), run.randn(bsz, h, p, e))
+        rows.add("decode", "sdpa", p, "ok", run.time(fn), mem=(cache_bytes, "kv-cache"))
+    bar.update()
+    for name, fmap in decoded.items():
+        pre_q, pre_k = run.randn(bsz, h, p, d), run.randn(bsz, h, p, d)
+        pre_v = run.randn(bsz, h, p, e)
+        _, state = linear_attention(
+            fmap.query(pre_q), fmap.key(pre_k), pre_v, causal=True, square=fmap.square,
+            chunk_size=run.chunk, return_state=True,
+        )  # fmt: skip
+        timing = run.time(partial(_ours_decode, fmap, q1, k1, v1, state))
+        nbytes = 4 * (state.numerator.numel() + state.denominator.numel())
+        rows.add("decode", name, p, "ok", timing, mem=(nbytes, "state"), fmap=fmap)
+        bar.update()
 
 
 def _summarize(rows, lengths, ours: list[str], section: str = "forward") -> dict:

@@ -1,0 +1,213 @@
+"""``polysketch bench --model``: TransformerLM training throughput, softmax vs linear attention.
+
+One training step = forward, cross-entropy on next-token targets, backward, AdamW step, for a
+batch of B = 1 sequences of length T (random byte tokens: the speed does not depend on them).
+Reported per (attention, T): the median step time after one warm-up step (with ``compile``,
+the warm-up step includes compilation, reported separately as ``first_step_s``), training
+tokens/s = B·T / step time, the ratio to softmax at the same T, and the peak memory of a step
+on CUDA. Models: the paper's 12 layers × 768 (12 heads, D = 64) on CUDA, a small 4 × 256
+(4 heads, D = 64) on CPU; ``softmax`` runs torch SDPA (FlashAttention on CUDA under bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..._checks import check_choice, check_positive_int
+from ..._files import write_csv
+from ...nn import TransformerConfig, TransformerLM
+from ..plots import log_axes, save_png, subplots
+from .attention import parse_lengths
+from .report import _fmt
+from .timing import peak_memory, time_call
+
+__all__ = [
+    "ModelBenchConfig",
+    "run_model_benchmark",
+    "format_model_report",
+    "write_model_outputs",
+    "MODEL_FIELDS",
+]
+
+MODEL_FIELDS = (
+    "attention", "T", "status", "step_ms", "tokens_per_s", "x_softmax", "mem_mib",
+    "first_step_s", "repeats",
+)  # fmt: skip
+
+CPU_CONTEXTS = (1024, 2048, 4096, 8192)
+CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class ModelBenchConfig:
+    """What to measure (see the module docstring); ``None`` sizes take the device default."""
+
+    attentions: Sequence[str] = ("softmax", "psf_random", "psf_mixed")
+    contexts: Sequence[int] | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    chunk_size: int = 256
+    batch: int = 1
+    amp: str | None = None  # "bf16": autocast (the default on CUDA)
+    compile: str | None = None  # a torch.compile backend
+    device: str = "cpu"
+    threads: int | None = None
+    min_time: float = 2.0
+    min_repeats: int = 2
+    seed: int = 0
+    progress: bool = True
+
+    def resolved(self) -> ModelBenchConfig:
+        """A copy with the device defaults filled in and every field checked."""
+        cuda = torch.device(self.device).type == "cuda"
+        big = (
+            dict(n_layer=12, n_head=12, n_embd=768)
+            if cuda
+            else dict(n_layer=4, n_head=4, n_embd=256)
+        )
+        out = ModelBenchConfig(**{**self.__dict__})
+        for key, value in big.items():
+            if getattr(out, key) is None:
+                setattr(out, key, value)
+            check_positive_int(getattr(out, key), key)
+        out.contexts = parse_lengths(out.contexts or (CUDA_CONTEXTS if cuda else CPU_CONTEXTS))
+        if out.amp is None and cuda:
+            out.amp = "bf16"
+        if out.amp is not None:
+            check_choice(out.amp, "amp", ["bf16"])
+        if out.compile is not None:
+            check_choice(out.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
+        check_positive_int(out.batch, "batch")
+        check_positive_int(out.chunk_size, "chunk_size")
+        return out
+
+
+def _step(model, optimizer, idx, amp: str | None) -> None:
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_model_benchmark(config: ModelBenchConfig) -> dict:
+    """Measure every (attention, T) of ``config``; returns ``{"rows", "config"}``."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    cfg = config.resolved()
+    device = torch.device(cfg.device)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    rows: list[dict] = []
+    bar = tqdm(
+        total=len(cfg.attentions) * len(cfg.contexts), desc="bench --model",
+        disable=not cfg.progress, file=sys.stderr,
+    )  # fmt: skip
+    try:
+        for attention in cfg.attentions:
+            for t in cfg.contexts:
+                bar.set_postfix_str(f"{attention} T={t}")
+                row = dict.fromkeys(MODEL_FIELDS, "")
+                row.update(attention=attention, T=t)
+                model_config = TransformerConfig(
+                    vocab_size=256, block_size=t, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                    n_embd=cfg.n_embd, attention=attention, chunk_size=cfg.chunk_size,
+                    seed=cfg.seed,
+                )  # fmt: skip
+                model = TransformerLM(model_config).to(device)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                runner = model if cfg.compile is None else torch.compile(model, backend=cfg.compile)
+                gen = torch.Generator().manual_seed(cfg.seed)
+                idx = torch.randint(0, 256, (cfg.batch, t + 1), generator=gen).to(device)
+                step = partial(_step, runner, optimizer, idx, cfg.amp)
+                try:
+                    t0 = time.perf_counter()
+                    step()  # warm-up (and compilation)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    row["first_step_s"] = time.perf_counter() - t0
+                    mem = peak_memory(step, device)
+                    sec, reps, _ = time_call(
+                        step, min_time=cfg.min_time, min_repeats=cfg.min_repeats
+                    )
+                except torch.OutOfMemoryError:
+                    row["status"] = "out of memory"
+                else:
+                    row.update(
+                        status="ok", step_ms=sec * 1e3, tokens_per_s=cfg.batch * t / sec,
+                        repeats=reps, mem_mib="" if mem is None else mem / 2**20,
+                    )  # fmt: skip
+                rows.append(row)
+                del model, optimizer, runner
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                bar.update()
+    finally:
+        bar.close()
+        torch.set_num_threads(previous)
+    soft = {
+        r["T"]: r["tokens_per_s"]
+        for r in rows
+        if r["attention"] == "softmax" and r["status"] == "ok"
+    }
+    for r in rows:
+        if r["status"] == "ok" and r["T"] in soft:
+            r["x_softmax"] = r["tokens_per_s"] / soft[r["T"]]
+    return {"rows": rows, "config": cfg}
+
+
+_COLUMNS = {
+    "step_ms": "10.1f",
+    "tokens_per_s": "10.0f",
+    "x_softmax": "9.2f",
+    "mem_mib": "8.0f",
+    "first_step_s": "10.1f",
+}
+
+
+def format_model_report(result: dict) -> str:
+    """The table of ``run_model_benchmark``'s rows with the model and settings."""
+    cfg = result["config"]
+    lines = [
+        f"TransformerLM training steps on {cfg.device} ({torch.get_num_threads()} threads): "
+        f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {cfg.chunk_size}, "
+        f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}",
+        "",
+        f"{'attention':<11} {'T':>6} {'step ms':>10} {'tokens/s':>10} {'x softmax':>9} "
+        f"{'MiB':>8} {'1st step s':>10} status",
+    ]
+    for r in result["rows"]:
+        c = {k: _fmt(r[k], spec) for k, spec in _COLUMNS.items()}
+        lines.append(
+            f"{r['attention']:<11} {r['T']:>6} {c['step_ms']:>10} {c['tokens_per_s']:>10} "
+            f"{c['x_softmax']:>9} {c['mem_mib']:>8} {c['first_step_s']:>10} {r['status']}"
+        )
+    return "\n".join(lines)
+
+
+def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
+    """``model_results.csv`` and ``model_bench.png`` (tokens/s vs T per attention) in ``out``."""
+    csv_path = write_csv(result["rows"], out / "model_results.csv", columns=MODEL_FIELDS,
+                         float_format=".6g")  # fmt: skip
+    fig, (ax,) = subplots(1)
+    for attention in dict.fromkeys(r["attention"] for r in result["rows"]):
+        pts = [(r["T"], r["tokens_per_s"]) for r in result["rows"]
+               if r["attention"] == attention and r["status"] == "ok"]  # fmt: skip
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=4, label=attention)
+    log_axes(ax)
+    ax.set_xlabel("context T")
+    ax.set_ylabel("training tokens / s")
+    ax.set_title(f"TransformerLM training ({result['config'].device})")
+    ax.legend(fontsize=8)
+    return csv_path, save_png(fig, out / "model_bench.png")
