@@ -38,6 +38,7 @@ q, k, v in the operand dtype (capture and diagnosis tools wrap it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -239,7 +240,8 @@ class AttentionCore(nn.Module):
         device = q.device.type
         work = working_dtype(q, v) if dtype is None else dtype
         out_dtype = v.dtype
-        with torch.autocast(device, enabled=False):
+        autocast = torch.is_autocast_enabled(device)
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             od = dispatch.operand_dtype(work, q.device)  # half stays half on accelerators
             q, k, v = q.to(od), k.to(od), v.to(od)
             o = self._attend(q, k, v, keep, cache)

@@ -169,8 +169,9 @@ class MultiHeadFeatureMap(nn.Module):
         return True
 
     def _stacked(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        params = {k: getattr(self, _mangle(k)) for k in self._param_names}
-        buffers = {k: getattr(self, _mangle(k)) for k in self._buffer_names}
+        own_params, own_buffers = self._parameters, self._buffers  # read at every call
+        params = {k: own_params[_mangle(k)] for k in self._param_names}
+        buffers = {k: own_buffers[_mangle(k)] for k in self._buffer_names}
         return params, buffers
 
     # ----- features ------------------------------------------------------------------------
