@@ -69,31 +69,31 @@ GEN = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
 
 # ----- caches (item 2) --------------------------------------------------------------------------
 @pytest.mark.parametrize("attention", ["psf_random", "psf_mixed", "hedgehog", "polynomial"])
-@pytest.mark.parametrize("impl", ["static", "offloaded_static", "sliding_window", "offloaded",
-                                  "dynamic", "quantized"])  # fmt: skip
+@pytest.mark.parametrize("impl", ["static", "offloaded_static", "sliding_window", "hybrid",
+                                  "offloaded", "dynamic", "quantized"])  # fmt: skip
 def test_generate_refuses_unsupported_caches_before_computing(attention, impl, monkeypatch):
+    """Every cache_implementation: refused before the prefill, or exactly the tokens of
+    decoding without a cache (never anything else)."""
     model = _model()
     convert(model, attention, chunk_size=8)
     x = _ids()
     count = _Counter(monkeypatch)
-    if attention == "polynomial" and impl == "dynamic":  # its own cache: supported exactly
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), cache_implementation=impl,
-                                 **GEN)  # fmt: skip
-            ref = model.generate(x, attention_mask=torch.ones_like(x), use_cache=False, **GEN)
-        assert torch.equal(out, ref)
-        return
     try:
         with torch.no_grad():
-            model.generate(x, attention_mask=torch.ones_like(x), cache_implementation=impl, **GEN)
+            out = model.generate(x, attention_mask=torch.ones_like(x),
+                                 cache_implementation=impl, **GEN)  # fmt: skip
     except ImportError:  # quantized caches need optimum-quanto / hqq
         assert impl == "quantized"
         pytest.skip("no quantization backend installed")
     except ValueError as err:
         assert "Cache" in str(err) and attention in str(err)
         assert count.calls == 0  # refused before the prefill
+        assert not (attention == "polynomial" and impl == "dynamic")  # its own cache
         return
-    pytest.fail(f"cache_implementation={impl!r} was not refused for {attention}")
+    assert impl in ("hybrid", "dynamic")  # dynamic: polynomial's own cache; hybrid: none
+    with torch.no_grad():
+        ref = model.generate(x, attention_mask=torch.ones_like(x), use_cache=False, **GEN)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("attention", ["psf_random", "psf_mixed", "polynomial", "sliding_window"])
