@@ -10,7 +10,7 @@ import torch
 
 from polysketch.distributed import cp_short_conv, halo, shard_bounds
 from polysketch.nn.short_conv import ShortConv
-from test_distributed_harness import combine, compare, run_ranks
+from test_distributed_harness import combine, compare, grad_of, run_ranks
 
 B, C = 2, 5
 CONV_CASES = {
@@ -56,7 +56,7 @@ def _conv(name, lo, hi, world_tail):
     else:
         y, _ = conv(x, keep=k)
     (y * w[:, lo:hi]).sum().backward()
-    res = {"out": y.detach(), "u": x.grad}
+    res = {"out": y.detach(), "u": grad_of(x)}
     res.update({f"param.{n}": p.grad for n, p in conv.named_parameters()})
     return res
 

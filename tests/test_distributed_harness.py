@@ -74,6 +74,14 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 2 * RANK_TIMEOUT_S) -
         ]
 
 
+def grad_of(x: torch.Tensor) -> torch.Tensor:
+    """x.grad, or zeros for an empty shard (an input of no rows reaches no output: None)."""
+    if x.grad is None:
+        assert x.numel() == 0, f"no gradient reached an input of shape {tuple(x.shape)}"
+        return torch.zeros_like(x)
+    return x.grad
+
+
 def combine(results: list[dict], name: str, cat=("out", "q", "k", "v")) -> dict:
     """The ranks' results as one: shards concatenated along T, parameter and initial-state
     gradients summed (what DDP/FSDP would all-reduce), final states checked equal."""

@@ -13,7 +13,7 @@ from polysketch.distributed import cp_linear_attention, record_collectives, shar
 from polysketch.ops import LinearAttentionState, linear_attention, naive_linear_attention
 from polysketch.ops.pairs import state_dim
 from polysketch.ops.varlen import naive_varlen_linear_attention
-from test_distributed_harness import combine, compare, rel, run_ranks
+from test_distributed_harness import combine, compare, grad_of, rel, run_ranks
 
 B, H, D, E = 2, 2, 6, 4
 MAPS = {
@@ -33,6 +33,8 @@ CASES = {
     "T1": {"map": "plain", "T": 1, "initial": True, "final": True},
     "T1_square": {"map": "square", "T": 1, "final": True},
     "T_below_world": {"map": "square", "T": 3, "initial": True, "final": True},
+    "T_below_world_no_state": {"map": "plain", "T": 3},  # an empty rank reads nothing
+    "shard_starts_a_document": {"map": "plain", "cu": [0, 19, 37]},  # ranks 1 (W=2), 2 (W=4)
     "uneven_split": {"map": "plain", "split": {2: [5, 32], 4: [0, 20, 2, 15]}, "initial": True,
                      "final": True},
     "packed": {"map": "plain", "cu": [0, 3, 10, 12, 37], "initial": True, "final": True},
@@ -114,7 +116,7 @@ def _grads(data, q, k, v, init, out, state, ranks, lo, hi):
         loss = loss + (state.denominator * data["wz"][ranks].sum(0)).sum()
     data["fmap"].zero_grad()
     loss.backward()
-    res = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    res = {"out": out.detach(), "q": grad_of(q), "k": grad_of(k), "v": grad_of(v)}
     res.update({f"param.{n}": p.grad for n, p in data["fmap"].named_parameters()})
     if init is not None:
         res["n0"], res["z0"] = init.numerator.grad, init.denominator.grad

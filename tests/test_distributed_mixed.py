@@ -13,7 +13,7 @@ from polysketch import features
 from polysketch.distributed import cp_mixed_attention, record_collectives, shard_bounds
 from polysketch.ops import mixed_attention, naive_mixed_attention
 from polysketch.ops.pairs import state_dim
-from test_distributed_harness import combine, compare, rel, run_ranks
+from test_distributed_harness import combine, compare, grad_of, rel, run_ranks
 
 B, H, D, E = 2, 2, 6, 4
 MAPS = {
@@ -70,7 +70,7 @@ def _run(data, lo, hi, op):
              square=fmap.square, denominator_offset=c["offset"], scale=c["scale"])  # fmt: skip
     fmap.zero_grad()
     (out * data["w"][..., lo:hi, :]).sum().backward()
-    res = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    res = {"out": out.detach(), "q": grad_of(q), "k": grad_of(k), "v": grad_of(v)}
     res.update({f"param.{n}": p.grad for n, p in fmap.named_parameters()})
     return res
 

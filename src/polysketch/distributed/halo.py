@@ -56,45 +56,53 @@ class _Spec:
 
 
 class _Halo(torch.autograd.Function):
+    """x: the last m = min(T, w) rows of the shard (T = ``length``) -> the halo (..., w, C)."""
+
     @staticmethod
-    def forward(ctx, x, spec):
-        t, w = x.shape[-2], spec.width
-        m = min(t, w)
+    def forward(ctx, x, length, spec):
+        m, w = x.shape[-2], spec.width
         buf = x.new_zeros(*x.shape[:-2], w, x.shape[-1])
-        buf[..., :m, :] = x[..., t - m :, :]
-        gathered, metas = all_gather_flat([buf], [t], group=spec.group, name=spec.name,
+        buf[..., :m, :] = x
+        gathered, metas = all_gather_flat([buf], [length], group=spec.group, name=spec.name,
                                           phase="forward")  # fmt: skip
         spec.lengths = [meta[0] for meta in metas]
         out = torch.zeros_like(buf)
         for rho, i0, i1, j0, j1 in spec.pieces(spec.group.rank):
             out[..., i0:i1, :] = gathered[rho][0][..., j0:j1, :]
-        ctx.spec, ctx.t = spec, t
+        ctx.spec, ctx.m = spec, m
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        spec, t = ctx.spec, ctx.t
+        spec, m = ctx.spec, ctx.m
         g = spec.group
         gathered, _ = all_gather_flat([d_out.contiguous()], [], group=g, name=spec.name,
                                       phase="backward")  # fmt: skip
-        dx = d_out.new_zeros(*d_out.shape[:-2], t, d_out.shape[-1])
-        m = min(t, spec.width)
+        dx = d_out.new_zeros(*d_out.shape[:-2], m, d_out.shape[-1])
         for receiver in range(g.rank + 1, g.world_size):
             for rho, i0, i1, j0, j1 in spec.pieces(receiver):
-                if rho == g.rank:  # buffer row j is row t - m + j of x
-                    dx[..., t - m + j0 : t - m + j1, :] += gathered[receiver][0][..., i0:i1, :]
-        return dx, None
+                if rho == g.rank:  # buffer row j is row j of x
+                    dx[..., j0:j1, :] += gathered[receiver][0][..., i0:i1, :]
+        return dx, None, None
 
 
 def halo_exchange(
-    x: torch.Tensor, width: int, *, group=None, name: str = "halo"
+    tail: torch.Tensor, width: int, *, length: int, group=None, name: str = "halo"
 ) -> tuple[torch.Tensor, list[int]]:
-    """(halo (..., width, C), the shard lengths of every rank): see ``halo``."""
+    """(halo (..., width, C), every rank's shard length) from this rank's last
+    min(``length``, ``width``) rows ``tail`` (..., m, C) and its shard ``length``; see ``halo``.
+    Only the tail enters the autograd graph (its gradient comes back)."""
     g = resolve_group(group)
-    x = check_tensor(x, "x", min_dim=2)
+    tail = check_tensor(tail, "tail", min_dim=2)
     width = check_int(width, "width", minimum=0)
+    length = check_int(length, "length", minimum=0)
+    if tail.shape[-2] != min(length, width):
+        raise ValueError(
+            f"tail must hold the last min(length, width) = {min(length, width)} rows, got "
+            f"{tail.shape[-2]}"
+        )
     spec = _Spec(g, width, name)
-    out = _Halo.apply(x, spec)
+    out = _Halo.apply(tail, length, spec)
     return out, spec.lengths
 
 
@@ -108,4 +116,7 @@ def halo(x: torch.Tensor, width: int, *, group=None) -> torch.Tensor:
     Returns:
         (..., w, C): x[start_r - w : start_r] of the full sequence, zeros before position 0.
     """
-    return halo_exchange(x, width, group=group)[0]
+    x = check_tensor(x, "x", min_dim=2)
+    width = check_int(width, "width", minimum=0)
+    t = x.shape[-2]
+    return halo_exchange(x[..., t - min(t, width) :, :], width, length=t, group=group)[0]

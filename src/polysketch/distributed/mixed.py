@@ -8,18 +8,17 @@ So rank r
 
 1. receives those h_r rows of k, φk, v (the halo, ``polysketch.distributed.halo``: one
    all-gather of every rank's last b - 1 rows and its length, which also gives start_r);
-2. runs the block function of ``polysketch.ops.blocks`` on [halo; own rows] from g_r, in two
-   calls: the complete blocks [g_r, b·⌊end_r/b⌋), whose final state is this rank's carry
-   C_r = Σ of the blocks that END inside (start_r, end_r], then the partial last block,
-   reading C_r; the halo rows' own outputs are dropped (their queries are zero);
-3. all-gathers the carries and adds the exclusive prefix Σ_{ρ<r} C_ρ through the features
-   (``polysketch.distributed.exchange``, ``polysketch.ops.state_read``).
+2. sums into its state C_r the blocks that END inside its shard, (start_r, end_r]: the rows
+   [g_r, b·⌊end_r/b⌋) of [halo; own rows], Σ Ψ(φk)ᵀ [v 1] (``ops.state_io.sum_state``);
+3. all-gathers the C_ρ and takes P_r = Σ_{ρ<r} C_ρ (``polysketch.distributed.exchange``);
+4. runs the block function of ``polysketch.ops.blocks`` on [halo; own rows] from g_r with
+   P_r as its initial state; the halo rows' own outputs are dropped (their queries are zero).
 
-Each block is counted once, by the rank where it ends: Σ_{ρ<r} C_ρ holds exactly the blocks
-ending at or before start_r, i.e. every key before g_r, and never the halo's partial block
-(whose keys rank r scores exactly). The output equals ``mixed_attention`` on the whole
-sequence up to rounding; bytes per rank and layer: the halo (W-1)·(b-1)·(D+F+E) and the state
-(W-1)·F'·(E+1) elements per head, forward and again backward.
+Each block is summed once, by the rank where it ends: P_r holds exactly the blocks ending at
+or before start_r, i.e. every key before g_r, and never the halo's partial block (whose keys
+rank r scores exactly). The output equals ``mixed_attention`` on the whole sequence up to
+rounding; per rank and layer it receives the halo, (W-1)·(b-1)·(D+F+E), and the states,
+(W-1)·F'·(E+1) elements per head, in the forward, and as much again in the backward.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ from ..ops.blocks import blocks_lt_multiply
 from ..ops.dispatch import group_bytes_for, operand_dtype
 from ..ops.mixed import _validate
 from ..ops.naive import DEFAULT_EPS, stabilize_denominator
-from ..ops.pairs import key_state
-from ..ops.state_read import read_state
-from .exchange import exchange_states
+from ..ops.state_io import sum_state
+from .exchange import exchange_states, keep_in_graph
 from .group import resolve_group
 from .halo import halo_exchange
 
@@ -81,37 +79,32 @@ def cp_mixed_attention(
     od, acc = operand_dtype(q.dtype, device), compute_dtype(q.dtype)
     q, k, v, phi_q, phi_k = (x.to(od) for x in (q, k, v, phi_q, phi_k))
     t, d, f, e = q.shape[-2], q.shape[-1], phi_q.shape[-1], v.shape[-1]
-    halo, lengths = halo_exchange(torch.cat([k, phi_k, v], dim=-1), b - 1, group=g)
+    m = min(t, b - 1)
+    tail = torch.cat([x[..., t - m :, :] for x in (k, phi_k, v)], dim=-1)
+    halo, lengths = halo_exchange(tail, b - 1, length=t, group=g)
     h = sum(lengths[: g.rank]) % b  # rows of this rank's first block held by earlier ranks
     hk, hf, hv = halo[..., b - 1 - h :, :].split([d, f, e], dim=-1)
     lead = q.shape[:-2]
-    keys = torch.cat([hk, k], dim=-2)
-    fk = torch.cat([hf, phi_k], dim=-2)
-    vals = torch.cat([hv, v], dim=-2)
+    keys, fk, vals = _prepend(hk, k), _prepend(hf, phi_k), _prepend(hv, v)
     vals = torch.cat([vals, vals.new_ones(*vals.shape[:-1], 1)], dim=-1)  # Ṽ = [V 1]
-    zero_rows = q.new_zeros(*lead, h, d), phi_q.new_zeros(*lead, h, f)
-    qs = torch.cat([zero_rows[0], q * scale if scale != 1.0 else q], dim=-2)
-    fq = torch.cat([zero_rows[1], phi_q], dim=-2)
-    n = h + t
-    full = (n // b) * b
-    kw = {"square": square, "chunk_size": b, "local_power": degree,
-          "group_bytes": group_bytes_for(device)}  # fmt: skip
-    nums = []
-    if full:
-        num, carry = blocks_lt_multiply(fq[..., :full, :], fk[..., :full, :], vals[..., :full, :],
-                                        local_q=qs[..., :full, :], local_k=keys[..., :full, :],
-                                        **kw)  # fmt: skip
-        nums.append(num)
-    else:  # no block ends here: a zero carry, kept in the graph (the backward gathers)
-        kn, kz = key_state(fk[..., :0, :].to(acc), vals[..., :0, :-1].to(acc), square=square)
-        carry = torch.cat([kn, kz.unsqueeze(-1)], dim=-1)
-    if n > full:
-        num, _ = blocks_lt_multiply(fq[..., full:, :], fk[..., full:, :], vals[..., full:, :],
-                                    initial=carry, local_q=qs[..., full:, :],
-                                    local_k=keys[..., full:, :], **kw)  # fmt: skip
-        nums.append(num)
-    num = torch.cat(nums, dim=-2)[..., h:, :] if nums else fq.new_zeros(*lead, 0, e + 1)
+    qs = _prepend(q.new_zeros(*lead, h, d), q * scale if scale != 1.0 else q)
+    fq = _prepend(phi_q.new_zeros(*lead, h, f), phi_q)
+    full = ((h + t) // b) * b  # the rows of the blocks that end inside this shard
+    n, z = sum_state(fk[..., :full, :].to(acc), vals[..., :full, :-1].to(acc), square=square)
+    carry = keep_in_graph(torch.cat([n, z.unsqueeze(-1)], dim=-1), halo)  # halo read or not
     prefix, _, _ = exchange_states(carry, group=g)
-    num = num.to(acc) + read_state(phi_q, prefix, square=square)
+    if t:
+        num, _ = blocks_lt_multiply(
+            fq, fk, vals, square=square, chunk_size=b, initial=prefix, local_q=qs, local_k=keys,
+            local_power=degree, group_bytes=group_bytes_for(device),
+        )  # fmt: skip
+        num = num[..., h:, :]
+    else:  # nothing to compute; the prefix's backward gathers on every rank: keep it
+        num = keep_in_graph(fq.new_zeros(*lead, 0, e + 1, dtype=acc), prefix)
     out = num[..., :e] / stabilize_denominator(num[..., e:] + offset, eps)
     return out.to(out_dtype)
+
+
+def _prepend(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[rows; x] along T, or x itself (no copy) when there are no rows."""
+    return x if rows.shape[-2] == 0 else torch.cat([rows, x], dim=-2)

@@ -14,7 +14,7 @@ Algorithm (the pad-to-batch fast path over the backend contract of ``polysketch.
 the documents before the last are gathered into one padded batch (..., n-1, L_max, F) (zero
 rows after each document: a zero key adds nothing, a zero query row is dropped) and run by one
 backend call without state; the last document runs alone with the state in and out. A state
-read (``polysketch.ops.state_read``) adds ``initial_state`` to the first document's rows when
+read (``polysketch.ops.state_io``) adds ``initial_state`` to the first document's rows when
 it is not also the last. Cost: the backend's on (n-1)·L_max rows + the last document, so
 documents of similar lengths pack well; one long and many short ones pad to the long one
 (``benchmarks/cp_varlen.py`` measures it). ``naive_varlen_linear_attention`` is the reference
@@ -40,7 +40,7 @@ from .dispatch import ALGORITHMS, operand_dtype, plan
 from .naive import DEFAULT_EPS, naive_linear_attention, stabilize_denominator
 from .pairs import key_state
 from .state import LinearAttentionState, unpack_state
-from .state_read import read_state
+from .state_io import read_state
 
 __all__ = [
     "causal_parts",
