@@ -10,21 +10,23 @@ s_ij = φq_i·φk_j (squared with ``square``), as ``linear_attention`` per docum
 document continues ``initial_state`` (the keys before the row, e.g. a document cut at the row's
 start); every later document starts empty. The returned state is that of the last document.
 
-Algorithm (the pad-to-batch fast path over the backend contract of ``polysketch.ops.dispatch``):
-the documents before the last are gathered into one padded batch (..., n-1, L_max, F) (zero
-rows after each document: a zero key adds nothing, a zero query row is dropped) and run by one
-backend call without state; the last document runs alone with the state in and out. A state
-read (``polysketch.ops.state_io``) adds ``initial_state`` to the first document's rows when
-it is not also the last. Cost: the backend's on (n-1)·L_max rows + the last document, so
-documents of similar lengths pack well; one long and many short ones pad to the long one
-(``benchmarks/cp_varlen.py`` measures it). ``naive_varlen_linear_attention`` is the reference
-(a loop over the documents of ``naive_linear_attention``).
+Algorithm (pad-to-batch over the backend contract of ``polysketch.ops.dispatch``): the
+documents before the last, sorted by length, are cut into batches, each zero-padded to its
+longest document and stacked (..., n, L, F) (a zero key adds nothing, a zero query row is
+dropped), one backend call without state per batch; a batch holds as many documents as the
+dispatcher's group budget allows (``_run_batched``). The last document runs alone with the
+state in and out. A state read (``polysketch.ops.state_io``) adds ``initial_state`` to the
+first document's rows when it is not also the last. ``benchmarks/cp_varlen.py`` measures it
+against the unpacked row and a loop of one call per document. ``naive_varlen_linear_attention``
+is the reference (a loop over the documents of ``naive_linear_attention``).
 
 ``causal_parts`` is the shared core (the numerator, the normalizer and the last document's
 state before normalizing); ``polysketch.distributed`` builds context parallelism on it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,6 +38,7 @@ from ._validate import (
     check_offset_eps,
     check_qkv,
 )
+from .blocks import group_blocks_for
 from .dispatch import ALGORITHMS, operand_dtype, plan
 from .naive import DEFAULT_EPS, naive_linear_attention, stabilize_denominator
 from .pairs import key_state
@@ -143,12 +146,10 @@ def causal_parts(
     )
     kw = {"square": square, "chunk_size": chunk_size}
 
-    def run(lo, hi, init, with_state, batch=None):
+    def run(lo, hi, init, with_state):
         how = plan(algorithm, phi_q, phi_k, v, square=square, with_state=with_state,
                    needs_grad=needs_grad)  # fmt: skip
         q, k, c = (x[..., lo:hi, :].to(how.operand_dtype) for x in (phi_q, phi_k, v))
-        if batch is not None:
-            q, k, c = (batch.pack(x) for x in (q, k, c))
         return how.run(q, k, c, initial=init, return_state=with_state and return_state, **kw)
 
     *rest, (lo, hi) = segs
@@ -156,10 +157,8 @@ def causal_parts(
     last_init = first_init if not rest else None
     num, den, state = run(lo, hi, last_init, return_state or last_init is not None)
     if rest:
-        batch = _PaddedBatch(rest, phi_q.device) if len(rest) > 1 else None
-        num_r, den_r, _ = run(0, lo, None, False, batch)
-        if batch is not None:
-            num_r, den_r = batch.unpack(num_r), batch.unpack(den_r.unsqueeze(-1)).squeeze(-1)
+        num_r, den_r = _run_batched(rest, phi_q, phi_k, v, algorithm=algorithm,
+                                    needs_grad=needs_grad, **kw)  # fmt: skip
         if first_init is not None:  # the first document also reads the initial state
             s0 = rest[0][1]
             p0 = torch.cat([first_init[0], first_init[1].unsqueeze(-1)], dim=-1)
@@ -171,26 +170,72 @@ def causal_parts(
     return num, den, state if return_state else None
 
 
-class _PaddedBatch:
-    """Rows [0, end) cut into the documents ``segs`` and stacked, zero-padded to the longest:
-    (..., end, X) -> (..., n, L, X) (``pack``) and back (``unpack``), by index_select."""
+def _run_batched(segs, phi_q, phi_k, v, *, square, chunk_size, algorithm, needs_grad):
+    """(num, den) of the rows [0, end) of the documents ``segs`` (in order, end = the last
+    one's end), without states: one backend call per batch of documents of similar length.
 
-    def __init__(self, segs: list[tuple[int, int]], device: torch.device):
-        lengths = torch.tensor([b - a for a, b in segs], device=device)
-        begins = torch.tensor([a for a, _ in segs], device=device)
-        self.n, self.width, self.end = len(segs), int(lengths.max()), segs[-1][1]
-        j = torch.arange(self.width, device=device)
+    Documents are sorted by length and cut into batches, each zero-padded to its longest
+    document and stacked as a leading dim: (..., n, L, F). A batch holds as many documents as
+    the dispatcher's group budget allows (``ops.blocks.group_blocks_for`` at the stacked
+    leading size): the backends split long rows into groups of blocks, not a tall stack of
+    short rows, so a batch beyond the budget would run its per-group temporaries out of cache.
+    """
+    how = plan(algorithm, phi_q, phi_k, v, square=square, with_state=False, needs_grad=needs_grad)
+    f, e, dev = phi_q.shape[-1], v.shape[-1], phi_q.device
+    lead = math.prod(phi_q.shape[:-2])
+    itemsize = torch.empty((), dtype=how.accumulate_dtype).element_size()
+    order = sorted(segs, key=lambda s: s[0] - s[1])  # longest first (stable)
+    batches, i = [], 0
+    while i < len(order):
+        width = order[i][1] - order[i][0]
+        blk = max(1, min(chunk_size, width))
+        blocks = -(-width // blk)
+        fit = len(order)
+        if how.group_bytes is not None:
+            fit = group_blocks_for(
+                how.group_bytes,
+                blocks=len(order) * blocks,
+                blk=blk,
+                f=f,
+                e=e,
+                d=f,
+                square=square,
+                lead=lead,
+                itemsize=itemsize,
+            )
+            fit = max(1, fit // blocks)  # fmt: skip
+        batches.append(order[i : i + fit])
+        i += fit
+    end = segs[-1][1]
+    x_pad = [torch.cat([x[..., :end, :].to(how.operand_dtype),
+                        x.new_zeros(*x.shape[:-2], 1, x.shape[-1], dtype=how.operand_dtype)],
+                       dim=-2) for x in (phi_q, phi_k, v)]  # fmt: skip
+    rows, slots, offset = [], torch.empty(end, dtype=torch.long, device=dev), 0
+    for batch in batches:
+        lengths = torch.tensor([b - a for a, b in batch], device=dev)
+        begins = torch.tensor([a for a, _ in batch], device=dev)
+        width = int(lengths.max())
+        j = torch.arange(width, device=dev)
         valid = j < lengths.unsqueeze(-1)  # (n, L)
-        self.gather = torch.where(valid, begins.unsqueeze(-1) + j, self.end).flatten()
-        slots = torch.arange(self.n, device=device).unsqueeze(-1) * self.width + j
-        self.scatter = slots[valid]  # row p of [0, end) sits at slot scatter[p] (segs in order)
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        padded = torch.cat([x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])], dim=-2)
-        return padded.index_select(-2, self.gather).unflatten(-2, (self.n, self.width))
-
-    def unpack(self, y: torch.Tensor) -> torch.Tensor:
-        return y.flatten(-3, -2).index_select(-2, self.scatter)
+        rows.append(torch.where(valid, begins.unsqueeze(-1) + j, end))  # padding: the zero row
+        slot = torch.arange(len(batch), device=dev).unsqueeze(-1) * width + j
+        slots[rows[-1][valid]] = offset + slot[valid]
+        offset += len(batch) * width
+    # one gather for all batches, then views (a gather per batch would give each batch's
+    # backward a full-length zero gradient: O(batches x T))
+    index = torch.cat([r.flatten() for r in rows])
+    sizes = [r.numel() for r in rows]
+    parts = [x.index_select(-2, index).split(sizes, dim=-2) for x in x_pad]
+    nums, dens = [], []
+    for r, q, k, c in zip(rows, *parts, strict=True):
+        q, k, c = (x.unflatten(-2, r.shape) for x in (q, k, c))
+        num, den, _ = how.run(q, k, c, square=square, chunk_size=chunk_size, initial=None,
+                              return_state=False)  # fmt: skip
+        nums.append(num.flatten(-3, -2))
+        dens.append(den.flatten(-2))
+    num = nums[0] if len(nums) == 1 else torch.cat(nums, dim=-2)
+    den = dens[0] if len(dens) == 1 else torch.cat(dens, dim=-1)
+    return num.index_select(-2, slots), den.index_select(-1, slots)
 
 
 def _check_packed(phi_q, phi_k, v, cu_seqlens, key_padding_mask, offset, eps):
