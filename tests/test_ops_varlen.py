@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import rel_err
-from polysketch.ops import LinearAttentionState, linear_attention
+from polysketch.ops import LinearAttentionState, dispatch, linear_attention
 from polysketch.ops.pairs import state_dim
 from polysketch.ops.varlen import (
     check_cu_seqlens,
@@ -187,3 +187,21 @@ def test_refusals_name_cu_seqlens():
     with pytest.raises(ValueError, match="initial_state"):
         varlen_linear_attention(q, k, v, [0, 10], initial_state=wrong.to(torch.float64))
     assert check_cu_seqlens((0, 4, 10), 10) == [0, 4, 10]
+
+
+@pytest.mark.parametrize("budget", [1, 200_000])
+@pytest.mark.parametrize("square", [False, True])
+def test_many_batches_under_a_small_group_budget(budget, square, monkeypatch):
+    """A tight budget cuts the documents into several padded batches (one document each at
+    budget=1); the result is the same."""
+    monkeypatch.setattr(dispatch, "CPU_GROUP_BYTES", budget)
+    q, k, v = (x.requires_grad_() for x in _inputs(37, square, seed=7))
+    keep = torch.rand(2, 1, 37, generator=torch.Generator().manual_seed(8)) > 0.2
+    cu = [0, 3, 10, 11, 20, 26, 30, 37]
+    kw = {"square": square, "key_padding_mask": keep, "denominator_offset": 1.0}
+    out = varlen_linear_attention(q, k, v, cu, chunk_size=4, **kw)
+    ref = naive_varlen_linear_attention(q, k, v, cu, **kw)
+    assert rel_err(out, ref) < 1e-10
+    w = torch.randn_like(ref)
+    for a, b in zip(_grads(out, (q, k, v), w), _grads(ref, (q, k, v), w), strict=True):
+        assert rel_err(a, b) < 1e-10
