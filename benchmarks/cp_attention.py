@@ -16,8 +16,11 @@ processes joined by gloo on this CPU (``--worker``; one intra-op thread per proc
 
 * ``time``: forward + backward of the layer at growing T, 1 process (``linear_attention``)
   and 2 processes (``cp_linear_attention``), side by side in one run; the ratio 1-proc / 2-proc
-  (> 1: context parallelism is faster). The machine's 2 cores are shared with other sessions:
-  the load average is printed beside every figure.
+  (> 1: context parallelism is faster). The machine's 2 cores are shared with other sessions,
+  so two processes rarely get two cores: the load average is printed beside every figure, and
+  one rank's work alone is timed too (``cp_linear_attention`` on T/2 in a group of one, the
+  same process layout as 1-proc), whose ratio is the speed-up two idle cores would give
+  before communication.
 * ``rss``: peak RSS per process (``ru_maxrss``) of forward + backward at T = 256k, H = 4,
   with 4 processes against 1; also the RSS of a process before its data (interpreter + torch).
   glibc's malloc moves its mmap threshold with the allocation history, which made identical
@@ -78,7 +81,8 @@ def worker(task, t_local, heads, repeats, seed):
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
+    cp = world > 1 or os.environ.get("CP_ONE_RANK") == "1"  # a group of one: a rank's work
+    if cp:
         dist.init_process_group("gloo")
     base_rss = _current_rss_mb()
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -92,7 +96,7 @@ def worker(task, t_local, heads, repeats, seed):
 
     def step():
         pq, pk = fm.query(q), fm.key(k)
-        if world == 1:
+        if not cp:
             out = linear_attention(pq, pk, v, causal=True, **kw)
         else:
             out = cp_linear_attention(pq, pk, v, **kw)
@@ -119,7 +123,7 @@ def worker(task, t_local, heads, repeats, seed):
     else:  # rss
         step()
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if world > 1:
+    if cp:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -135,11 +139,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(task, world, t, heads, repeats=1, seed=0, mmap_threshold=0):
-    """Run ``task`` on ``world`` fresh processes (balanced shards of t); their results."""
+def launch(task, world, t, heads, repeats=1, seed=0, mmap_threshold=0, one_rank=False):
+    """Run ``task`` on ``world`` fresh processes (balanced shards of t); their results.
+    ``one_rank``: a single process runs ``cp_linear_attention`` in a group of one."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-           "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
+           "PYTHONPATH": str(ROOT / "src"), "CP_ONE_RANK": "1" if one_rank else "0"}  # fmt: skip
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     procs = []
@@ -208,13 +213,17 @@ def measure_time(lengths, heads=4, repeats=3):
         one = launch("time", 1, t, heads, repeats)[0]["seconds"]
         load_2 = load()
         two = launch("time", 2, t, heads, repeats)[0]["seconds"]  # barriers: rank 0's = wall
-        s1, s2 = statistics.median(one), statistics.median(two)
+        load_w = load()
+        work = launch("time", 1, t // 2, heads, repeats, one_rank=True)[0]["seconds"]
+        s1, s2, sw = statistics.median(one), statistics.median(two), statistics.median(work)
         rows.append({"T": t, "H": heads, "one_process_s": s1, "two_processes_s": s2,
-                     "ratio_one_over_two": s1 / s2, "load_before_1": load_1,
-                     "load_before_2": load_2, "repeats": repeats,
-                     "all_one": one, "all_two": two})  # fmt: skip
+                     "ratio_one_over_two": s1 / s2, "rank_work_s": sw,
+                     "ratio_one_over_rank_work": s1 / sw, "load_before_1": load_1,
+                     "load_before_2": load_2, "load_before_work": load_w, "repeats": repeats,
+                     "all_one": one, "all_two": two, "all_work": work})  # fmt: skip
         print(f"T={t}: 1 proc {s1:.3f} s (load {load_1}), 2 procs {s2:.3f} s (load {load_2}), "
-              f"ratio {s1 / s2:.2f}", flush=True)  # fmt: skip
+              f"ratio {s1 / s2:.2f}; one rank's work (T/2, group of one) {sw:.3f} s "
+              f"(load {load_w}), ratio {s1 / sw:.2f}", flush=True)  # fmt: skip
     return rows
 
 
