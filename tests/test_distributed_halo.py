@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polysketch.distributed import cp_short_conv, halo, shard_bounds
+from polysketch.distributed import cp_short_conv, halo
 from polysketch.nn.short_conv import ShortConv
-from test_distributed_harness import combine, compare, grad_of, run_ranks
+from test_distributed_harness import bounds, combine, compare, grad_of, run_ranks
 
 B, C = 2, 5
 CONV_CASES = {
@@ -27,14 +27,6 @@ def _setting(name):
     c = {"T": 37, "padding": False, "split": {}}
     c.update(CONV_CASES[name])
     return c
-
-
-def bounds(c, world, rank):
-    lengths = c["split"].get(world)
-    if lengths is None:
-        return shard_bounds(c["T"], world, rank)
-    start = sum(lengths[:rank])
-    return start, start + lengths[rank]
 
 
 def make(name):

@@ -74,6 +74,16 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 2 * RANK_TIMEOUT_S) -
         ]
 
 
+def bounds(c: dict, world: int, rank: int) -> tuple[int, int]:
+    """[start, end) of ``rank``'s shard for a test case ``c``: ``c["split"][world]`` (shard
+    lengths) when given, else the balanced split of ``c["T"]``."""
+    lengths = c["split"].get(world)
+    if lengths is None:
+        return shard_bounds(c["T"], world, rank)
+    start = sum(lengths[:rank])
+    return start, start + lengths[rank]
+
+
 def grad_of(x: torch.Tensor) -> torch.Tensor:
     """x.grad, or zeros for an empty shard (an input of no rows reaches no output: None)."""
     if x.grad is None:
@@ -130,10 +140,10 @@ def compare(got: dict, want: dict, tol: float) -> list[str]:
 def test_shard_bounds_is_the_balanced_contiguous_split():
     for length in (0, 1, 3, 10, 37):
         for world in (1, 2, 4):
-            bounds = [shard_bounds(length, world, r) for r in range(world)]
-            assert bounds[0][0] == 0 and bounds[-1][1] == length
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
-            sizes = [e - s for s, e in bounds]
+            pieces = [shard_bounds(length, world, r) for r in range(world)]
+            assert pieces[0][0] == 0 and pieces[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+            sizes = [e - s for s, e in pieces]
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
             want = [len(x) for x in torch.arange(length).tensor_split(world)]
             assert sizes == want

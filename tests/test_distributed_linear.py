@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from polysketch import features
-from polysketch.distributed import cp_linear_attention, record_collectives, shard_bounds
+from polysketch.distributed import cp_linear_attention, record_collectives
 from polysketch.ops import LinearAttentionState, linear_attention, naive_linear_attention
 from polysketch.ops.pairs import state_dim
 from polysketch.ops.varlen import naive_varlen_linear_attention
-from test_distributed_harness import combine, compare, grad_of, rel, run_ranks
+from test_distributed_harness import bounds, combine, compare, grad_of, rel, run_ranks
 
 B, H, D, E = 2, 2, 6, 4
 MAPS = {
@@ -79,14 +79,6 @@ def make(name: str, dtype: torch.dtype, world: int) -> dict:
     if data["keep"] is not None:
         data["keep"][..., 0] = True  # every query of the first document sees a key
     return data
-
-
-def bounds(c: dict, world: int, rank: int) -> tuple[int, int]:
-    lengths = c["split"].get(world)
-    if lengths is None:
-        return shard_bounds(c["T"], world, rank)
-    start = sum(lengths[:rank])
-    return start, start + lengths[rank]
 
 
 def _attend(data, q, k, v, keep, *, initial, distributed):

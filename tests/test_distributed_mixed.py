@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from polysketch import features
-from polysketch.distributed import cp_mixed_attention, record_collectives, shard_bounds
+from polysketch.distributed import cp_mixed_attention, record_collectives
 from polysketch.ops import mixed_attention, naive_mixed_attention
 from polysketch.ops.pairs import state_dim
-from test_distributed_harness import combine, compare, grad_of, rel, run_ranks
+from test_distributed_harness import bounds, combine, compare, grad_of, rel, run_ranks
 
 B, H, D, E = 2, 2, 6, 4
 MAPS = {
@@ -53,14 +53,6 @@ def make(name, dtype):
         "v": torch.randn(*shape, E, generator=g, dtype=dtype),
         "w": torch.randn(*shape, E, generator=g, dtype=dtype),
     }
-
-
-def bounds(c, world, rank):
-    lengths = c["split"].get(world)
-    if lengths is None:
-        return shard_bounds(c["T"], world, rank)
-    start = sum(lengths[:rank])
-    return start, start + lengths[rank]
 
 
 def _run(data, lo, hi, op):

@@ -38,8 +38,14 @@ def _inputs(t, square, *, seed=0, dtype=torch.float64, f=5, e=4):
     return q, k, v
 
 
-def _grads(out, leaves, w):
-    return torch.autograd.grad((out * w).sum(), leaves)
+def _assert_same(out, ref, leaves):
+    """Outputs and the gradients of (out·w).sum() for the ``leaves`` to 1e-10 relative."""
+    assert rel_err(out, ref) < 1e-10
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), leaves, retain_graph=True)
+    want = torch.autograd.grad((ref * w).sum(), leaves, retain_graph=True)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-10
 
 
 @pytest.mark.parametrize("square", [False, True])
@@ -50,10 +56,7 @@ def test_fast_path_equals_the_loop_of_naive_references(square, cu, algorithm):
     kw = {"square": square, "denominator_offset": 1.0}
     out = varlen_linear_attention(q, k, v, cu, chunk_size=8, algorithm=algorithm, **kw)
     ref = naive_varlen_linear_attention(q, k, v, cu, **kw)
-    assert rel_err(out, ref) < 1e-10
-    w = torch.randn_like(ref)
-    for a, b in zip(_grads(out, (q, k, v), w), _grads(ref, (q, k, v), w), strict=True):
-        assert rel_err(a, b) < 1e-10
+    _assert_same(out, ref, (q, k, v))
 
 
 @pytest.mark.parametrize("square", [False, True])
@@ -66,10 +69,7 @@ def test_key_padding_and_unnormalized_outputs(square):
         kw = {"square": square, "key_padding_mask": keep, "normalize": normalize}
         out = varlen_linear_attention(q, k, v, cu, chunk_size=4, **kw)
         ref = naive_varlen_linear_attention(q, k, v, cu, **kw)
-        assert rel_err(out, ref) < 1e-10
-        w = torch.randn_like(ref)
-        for a, b in zip(_grads(out, (q, k, v), w), _grads(ref, (q, k, v), w), strict=True):
-            assert rel_err(a, b) < 1e-10
+        _assert_same(out, ref, (q, k, v))
 
 
 @pytest.mark.parametrize("square", [False, True])
@@ -201,7 +201,4 @@ def test_many_batches_under_a_small_group_budget(budget, square, monkeypatch):
     kw = {"square": square, "key_padding_mask": keep, "denominator_offset": 1.0}
     out = varlen_linear_attention(q, k, v, cu, chunk_size=4, **kw)
     ref = naive_varlen_linear_attention(q, k, v, cu, **kw)
-    assert rel_err(out, ref) < 1e-10
-    w = torch.randn_like(ref)
-    for a, b in zip(_grads(out, (q, k, v), w), _grads(ref, (q, k, v), w), strict=True):
-        assert rel_err(a, b) < 1e-10
+    _assert_same(out, ref, (q, k, v))

@@ -92,7 +92,8 @@ def cp_linear_attention(
         cu_seqlens: packed documents of the WHOLE sequence (``polysketch.ops.varlen``), the
             same on every rank; its last entry must be Σ_r T_r.
         square, chunk_size, normalize, denominator_offset, algorithm, eps: as
-            ``polysketch.ops.linear_attention``.
+            ``polysketch.ops.linear_attention`` (the earlier shards enter the local call as
+            an initial state, so ``algorithm="triton"``, which takes none, is refused).
 
     Returns:
         this rank's rows of the output (..., T_r, E) in the input dtype, or ``(out, state)``.
