@@ -52,8 +52,28 @@ NEVER = {
     "integrations": {"cli", "commands", "eval", "experiments", "benchmarks"},
     "train": {"cli", "commands", "eval", "integrations", "experiments", "benchmarks"},
     "nn": {"cli", "commands", "eval", "integrations", "train", "experiments", "benchmarks"},
-    "ops": {"cli", "commands", "eval", "integrations", "train", "nn", "experiments"},
-    "features": {"cli", "commands", "eval", "integrations", "train", "nn", "ops", "experiments"},
+    "distributed": {
+        "cli",
+        "commands",
+        "eval",
+        "integrations",
+        "train",
+        "nn",
+        "experiments",
+        "benchmarks",
+    },
+    "ops": {"cli", "commands", "eval", "integrations", "train", "nn", "distributed", "experiments"},
+    "features": {
+        "cli",
+        "commands",
+        "eval",
+        "integrations",
+        "train",
+        "nn",
+        "distributed",
+        "ops",
+        "experiments",
+    },
 }
 
 

@@ -40,6 +40,7 @@ from ._validate import (
 from .dispatch import ALGORITHMS, NONCAUSAL, plan
 from .naive import DEFAULT_EPS, stabilize_denominator
 from .state import LinearAttentionState, unpack_state
+from .varlen import varlen_linear_attention
 
 __all__ = ["ALGORITHMS", "linear_attention", "kernel_attention"]
 
@@ -60,6 +61,7 @@ def linear_attention(
     algorithm: str = "chunked",
     eps: float = DEFAULT_EPS,
     attn_mask: None = None,
+    cu_seqlens=None,
 ):
     """Linear attention on features (see the module docstring for the formula).
 
@@ -85,12 +87,23 @@ def linear_attention(
             those by name, or ``"cumsum"`` (Performer); see ``polysketch.ops.dispatch``.
         eps: the denominator guard (``polysketch.ops.naive``); 0 disables it.
         attn_mask: refused; an arbitrary (Tq, Tk) mask cannot be linearized.
+        cu_seqlens: packed documents, the state reset at each boundary (causal only; Tq = Tk):
+            ``polysketch.ops.varlen.varlen_linear_attention`` runs the call.
 
     Returns:
         out (..., Tq, E) in the input dtype, or ``(out, state)`` with ``return_state``.
     """
     check_attn_mask(attn_mask)
     check_bool(causal, "causal")
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens (packed documents) needs causal=True")
+        return varlen_linear_attention(
+            phi_q, phi_k, v, cu_seqlens, square=square, chunk_size=chunk_size,
+            normalize=normalize, denominator_offset=denominator_offset,
+            initial_state=initial_state, return_state=return_state,
+            key_padding_mask=key_padding_mask, algorithm=algorithm, eps=eps,
+        )  # fmt: skip
     check_bool(square, "square")
     check_bool(normalize, "normalize")
     check_bool(return_state, "return_state")
