@@ -47,10 +47,11 @@ from .._checks import check_positive_int
 from ..data.corpus import Corpus
 from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
-from . import distributed
+from . import distributed, mesh
 from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
 from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import TrainConfig
+from .mesh import Layout
 from .schedule import warmup_cosine
 
 __all__ = [
@@ -96,17 +97,29 @@ def _autocast(cfg: TrainConfig, device: torch.device):
 
 
 @torch.no_grad()
-def _evaluate(model, data, cfg, block_size, ctx) -> tuple[float, float]:
-    """Mean loss and next-token accuracy (on labelled positions) over the validation batches."""
+def _evaluate(model, data, cfg, block_size, ctx, layout=None) -> tuple[float, float]:
+    """Mean loss and next-token accuracy (on labelled positions) over the validation batches.
+
+    On a mesh (``train.mesh``) the rows are split over dp and the columns over cp; a replica
+    without rows runs one row with every label ignored (FSDP2's and the cp ops' collectives
+    need every rank's forward)."""
+    layout = Layout() if layout is None else layout
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    for x, y in val_batches(data, cfg, block_size, ctx):
+    rows_ctx = distributed.DistContext(layout.dp_rank, layout.dp) if layout.uses_mesh else ctx
+    for x, y in val_batches(data, cfg, block_size, rows_ctx):
         if len(x) == 0:
-            continue
+            if not layout.uses_mesh:
+                continue
+            x, y = next(val_batches(data, cfg, block_size, distributed.DistContext()))
+            x, y = x[:1], torch.full_like(y[:1], IGNORE_INDEX)
+        if layout.uses_mesh:
+            cols = layout.columns(x.shape[1])
+            x, y = x[:, cols], y[:, cols]
         x, y = x.to(ctx.device), y.to(ctx.device)
         with _autocast(cfg, ctx.device):
-            logits, _ = model(x)
+            logits, _ = model(x, cp_group=layout.cp_group)
         logits, y = logits.float().flatten(0, 1), y.flatten()
         mask = y != IGNORE_INDEX
         totals[0] += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -203,16 +216,17 @@ def train(
     try:
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
-        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata)
+        layout = mesh.make_layout(ctx, cp=cfg.cp, fsdp=cfg.fsdp)
+        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout)
         if resume:
             run.restore(ckpt_path, ctx.device)
         model = run.model
-        if ctx.distributed:
+        if ctx.distributed and not layout.uses_mesh:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if cfg.compile is not None:  # after DDP, as torch recommends; state_dict from run.model
             model = torch.compile(model, backend=cfg.compile)
-        rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
+        rows = layout.rows(cfg.batch_size, cfg.grad_accum)
         main = ctx.is_main
         history = run.history
         files = _MetricFiles(
@@ -230,7 +244,8 @@ def train(
                 run.model.set_exact_attention(run.step < cfg.warm_start_steps)
             t0 = time.perf_counter()
             lr = run.optimizer.param_groups[0]["lr"]
-            loss_value, batch_tokens = _optimizer_step(run, model, rows, ctx)
+            step_fn = _mesh_step if layout.uses_mesh else _optimizer_step
+            loss_value, batch_tokens = step_fn(run, model, rows, ctx)
             step = run.step = run.step + 1
             dt = time.perf_counter() - t0
             elapsed += dt
@@ -252,15 +267,17 @@ def train(
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 if cfg.warm_start_steps:
                     run.model.set_exact_attention(step < cfg.warm_start_steps)
-                val_loss, acc = _evaluate(run.model, data, cfg, block_size, ctx)
+                val_loss, acc = _evaluate(run.model, data, cfg, block_size, ctx, layout)
                 vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
                 history["val"].append(vrow)
                 files.write(vrow)
                 if progress and main:
                     bar.write(f"step {step}: val loss {val_loss:.4f}, accuracy {acc:.4f}")
             if step == end or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                if ckpt_path is not None and main:
-                    save_checkpoint(ckpt_path, run.checkpoint_state())
+                if ckpt_path is not None:
+                    state = run.checkpoint_state()  # gathered on rank 0 (a collective)
+                    if main:
+                        save_checkpoint(ckpt_path, state)
         bar.close()
         history["model"] = run.model
         return history
@@ -283,7 +300,20 @@ def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
             f"vocab_size of the model ({model_config.vocab_size}) is smaller than the data's "
             f"({data.vocab_size})"
         )
-    distributed.rank_slice(cfg.batch_size, distributed.env_world_size(), 0, cfg.grad_accum)
+    world = distributed.env_world_size()
+    if cfg.cp > 1:  # refuse an attention without a context-parallel op before any work
+        from ..distributed import CPGroup
+        from ..nn.sharding import SequenceShard, check_core_on_shard
+
+        probe = SequenceShard(CPGroup(None, 0, cfg.cp), 0, 0, 0)
+        for block in TransformerLM(model_config).blocks:
+            check_core_on_shard(block.attn, probe)
+    if cfg.cp > 1 and world % cfg.cp:
+        raise ValueError(
+            f"cp={cfg.cp} must divide the number of processes ({world}); launch with torchrun "
+            f"--nproc-per-node N, N a multiple of {cfg.cp} (dp = N / cp)"
+        )
+    distributed.rank_slice(cfg.batch_size, max(world // cfg.cp, 1), 0, cfg.grad_accum)
     if stop_after is not None:
         check_positive_int(stop_after, "stop_after")
     return cfg
@@ -301,15 +331,20 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     batches: CorpusBatches | MQARBatches
     metadata: dict
+    layout: Layout = field(default_factory=Layout)
     history: dict = field(default_factory=lambda: {"train": [], "val": []})
     step: int = 0
 
     @classmethod
-    def start(cls, model_config, cfg, data, block_size, device, metadata) -> _Run:
+    def start(cls, model_config, cfg, data, block_size, device, metadata, layout=None) -> _Run:
         """A fresh run: torch's global RNG seeded with ``cfg.seed``, then the model (weights
-        from ``model_config.seed``), AdamW, the schedule and the data sampler."""
+        from ``model_config.seed``; sharded by FSDP2 when ``layout.fsdp``), AdamW, the
+        schedule and the data sampler."""
+        layout = Layout() if layout is None else layout
         torch.manual_seed(cfg.seed)
         model = TransformerLM(model_config).to(device)
+        if layout.fsdp:
+            mesh.shard_model(model, layout)
         optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
         )
@@ -317,7 +352,8 @@ class _Run:
             optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
         )
         batches = make_batches(data, block_size, cfg.seed)
-        return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {})
+        return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {},
+                   layout)  # fmt: skip
 
     def restore(self, ckpt_path: Path, device) -> None:
         """Continue the run saved at ``ckpt_path`` (its RNG states included); the schedule is
@@ -331,8 +367,8 @@ class _Run:
             )
         optimizer, scheduler = self.optimizer, self.scheduler
         try:
-            self.model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            mesh.load_state(self.model, optimizer, state["model"], state["optimizer"],
+                            self.layout)  # fmt: skip
             scheduler.load_state_dict(state["scheduler"])
             scheduler.lr_lambdas[0].total_steps = self.cfg.steps  # the run may be extended
             for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
@@ -346,10 +382,15 @@ class _Run:
             ) from None
 
     def checkpoint_state(self) -> dict:
-        """The state ``save_checkpoint`` writes (``restore`` reads it back)."""
+        """The state ``save_checkpoint`` writes (``restore`` reads it back): the gathered,
+        one-process format (``train.mesh.gather_state``; every rank must call this, rank 0
+        gets the state, the others None)."""
+        model_state, optim_state = mesh.gather_state(self.model, self.optimizer, self.layout)
+        if model_state is None:
+            return None
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "data": self.batches.state_dict(),
             "step": self.step,
@@ -387,6 +428,42 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"training loss became {loss_value} at step {run.step + 1}")
     return loss_value, x.numel() * ctx.world_size
+
+
+def _mesh_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[float, int]:
+    """``_optimizer_step`` on the dp × cp mesh (``train.mesh``): this replica's ``rows`` and
+    this cp rank's shard of the columns; each micro-batch back-propagates Σ token losses /
+    the global batch's labelled-token count; gradients summed over all ranks (one all-reduce,
+    or FSDP2's reduce-scatter), so the step is that of one process on the global batch."""
+    cfg, layout = run.cfg, run.layout
+    x, y = run.batches.next(cfg.batch_size)
+    count = max(int((y != IGNORE_INDEX).sum()), 1)  # the whole global batch, every rank
+    length = x.shape[1]
+    cols = layout.columns(length)
+    x, y = x[rows, cols].to(ctx.device), y[rows, cols].to(ctx.device)
+    micro = (rows.stop - rows.start) // cfg.grad_accum
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    for k in range(cfg.grad_accum):
+        if layout.fsdp:  # reduce-scatter once, after the last micro-batch
+            model.set_requires_gradient_sync(k == cfg.grad_accum - 1)
+        part = slice(k * micro, (k + 1) * micro)
+        with _autocast(cfg, ctx.device):
+            logits, _ = model(x[part], cp_group=layout.cp_group)
+        token_sum = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten().long(),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+        (token_sum / count).backward()
+        loss_sum += token_sum.detach().double()
+    mesh.reduce_gradients(model, layout)
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    torch.distributed.all_reduce(loss_sum)
+    loss_value = float(loss_sum) / count
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"training loss became {loss_value} at step {run.step + 1}")
+    return loss_value, cfg.batch_size * length
 
 
 def _logged(history: dict, log_interval: int, total_steps: int) -> list[dict]:

