@@ -7,6 +7,7 @@ loaded checkpoint's on one process."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ def _corpus(tmp):
 
 
 def _summary(history) -> dict:
-    return {"loss": torch.tensor([r["loss"] for r in history["train"]], dtype=torch.float64),
-            "val": torch.tensor([r["loss"] for r in history["val"]], dtype=torch.float64)}  # fmt: skip
+    rows = {k: [r["loss"] for r in history[k]] for k in ("train", "val")}
+    return {"loss": torch.tensor(rows["train"], dtype=torch.float64),
+            "val": torch.tensor(rows["val"], dtype=torch.float64)}  # fmt: skip
 
 
 def _rank_train(rank, world, tmp, model_kw, train_kw, resume=False, stop_after=None) -> dict:
@@ -89,6 +91,48 @@ def test_mesh_training_equals_one_process(tmp_path, world, model_kw, train_kw):
     want = _single(str(tmp_path), model_kw, single_kw)
     for r in run_ranks(world, _rank_train, str(tmp_path), model_kw, train_kw, timeout=600):
         _close(r, want)
+
+
+@pytest.mark.parametrize("world, layout", [(2, {"cp": 2}), (2, {"fsdp": True})])
+def test_resume_is_exact_within_a_layout_and_to_rounding_across(tmp_path, world, layout):
+    tmp = str(tmp_path)
+    straight = run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/a"})[0]
+    run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/b"}, False, 10)
+    state = load_checkpoint(f"{tmp}/b/ckpt.pt", restore_rng=False)
+    assert state["step"] == 10
+    reference = _single(tmp)  # one process, 20 steps
+    model = state["model"]
+    assert set(model) >= {"wte.weight", "lm_head.weight"} and all(
+        type(v) is torch.Tensor for v in model.values()
+    )  # gathered full tensors in the one-process format, read with weights_only=True
+    os.makedirs(f"{tmp}/c")
+    shutil.copy(f"{tmp}/b/ckpt.pt", f"{tmp}/c/ckpt.pt")
+    resumed = run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/b"}, True)[0]
+    assert torch.equal(resumed["loss"], straight["loss"])  # bit for bit within the layout
+    assert torch.equal(resumed["val"], straight["val"])
+    # the same checkpoint continued on ONE process: equal to rounding
+    one = _single(tmp, train_kw={"out_dir": f"{tmp}/c"}, resume=True)
+    _close(one, reference)
+
+
+def _rank_generate(rank, world, tmp) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    history = train(_model_config(), _train_config(cp=2, out_dir=f"{tmp}/g"), _corpus(tmp),
+                    progress=False)  # fmt: skip
+    prompt = torch.tensor([list(b"all the ")])
+    return {"tokens": history["model"].generate(prompt, 24, temperature=0.0)}
+
+
+def test_generation_after_cp_training_equals_the_loaded_checkpoint(tmp_path):
+    tmp = str(tmp_path)
+    trained = run_ranks(2, _rank_generate, tmp)
+    assert torch.equal(trained[0]["tokens"], trained[1]["tokens"])  # replicated parameters
+    model, _ = load_model(f"{tmp}/g/ckpt.pt", device="cpu")
+    prompt = torch.tensor([list(b"all the ")])
+    loaded = model.generate(prompt, 24, temperature=0.0)
+    assert torch.equal(loaded, trained[0]["tokens"])
+    single = train(_model_config(), _train_config(), _corpus(tmp), progress=False)["model"]
+    assert torch.equal(single.generate(prompt, 24, temperature=0.0), loaded)
 
 
 def test_mesh_refusals():
