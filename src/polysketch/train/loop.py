@@ -301,13 +301,7 @@ def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
             f"({data.vocab_size})"
         )
     world = distributed.env_world_size()
-    if cfg.cp > 1:  # refuse an attention without a context-parallel op before any work
-        from ..distributed import CPGroup
-        from ..nn.sharding import SequenceShard, check_core_on_shard
-
-        probe = SequenceShard(CPGroup(None, 0, cfg.cp), 0, 0, 0)
-        for block in TransformerLM(model_config).blocks:
-            check_core_on_shard(block.attn, probe)
+    mesh.check_cp_model(model_config, cfg.cp)  # an attention without a CP op: before any work
     if cfg.cp > 1 and world % cfg.cp:
         raise ValueError(
             f"cp={cfg.cp} must divide the number of processes ({world}); launch with torchrun "

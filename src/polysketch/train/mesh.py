@@ -38,8 +38,8 @@ from .._checks import check_positive_int
 from ..distributed import shard_bounds
 from .distributed import DistContext, rank_slice
 
-__all__ = ["Layout", "make_layout", "shard_model", "reduce_gradients", "gather_state",
-           "load_state"]  # fmt: skip
+__all__ = ["Layout", "check_cp_model", "make_layout", "shard_model", "reduce_gradients",
+           "gather_state", "load_state"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,20 @@ class Layout:
     def columns(self, length: int) -> slice:
         """This cp rank's shard of T positions (``polysketch.distributed.shard_bounds``)."""
         return slice(*shard_bounds(length, self.cp, self.cp_rank))
+
+
+def check_cp_model(model_config, cp: int) -> None:
+    """Refuse (ValueError naming the attention and what is supported) a model whose layers
+    have no context-parallel op, when ``cp`` > 1; before any process group or data."""
+    if cp <= 1:
+        return
+    from ..distributed import CPGroup
+    from ..nn import TransformerLM
+    from ..nn.sharding import SequenceShard, check_core_on_shard
+
+    probe = SequenceShard(CPGroup(None, 0, cp), 0, 0, 0)
+    for block in TransformerLM(model_config).blocks:
+        check_core_on_shard(block.attn, probe)
 
 
 def make_layout(ctx: DistContext, *, cp: int = 1, fsdp: bool = False) -> Layout:
