@@ -15,6 +15,7 @@ import torch
 from polysketch.data.corpus import load_corpus
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig, load_checkpoint, load_model, train
+from polysketch.train.batches import pack_rows
 from test_distributed_harness import run_ranks
 
 TEXT = "".join(
@@ -135,6 +136,23 @@ def test_generation_after_cp_training_equals_the_loaded_checkpoint(tmp_path):
     assert torch.equal(single.generate(prompt, 24, temperature=0.0), loaded)
 
 
+def test_pack_rows_starts_documents_at_rows_and_after_separators():
+    x = torch.tensor([[1, 10, 10, 2, 3, 10], [10, 10, 4, 10, 10, 5]])
+    px, py, cu = pack_rows(x, x + 1, [10, 10])
+    assert px.shape == py.shape == (1, 12) and torch.equal(px[0], x.flatten())
+    assert cu == [0, 3, 6, 8, 11, 12]  # rows at 0 and 6; after each "\n\n" inside a row
+
+
+def test_packed_training_cp2_equals_one_process(tmp_path):
+    """--pack: the same packed run on one process and on cp 2 (documents cross the shards)."""
+    conv = {"short_conv": 3}  # the short convolution resets at document starts too
+    want = _single(str(tmp_path), conv, {"pack": True})
+    plain = _single(str(tmp_path), conv)
+    assert not torch.equal(want["loss"], plain["loss"])  # packing changed what is computed
+    for r in run_ranks(2, _rank_train, str(tmp_path), conv, {"pack": True, "cp": 2}):
+        _close(r, want)
+
+
 def test_mesh_refusals():
     with pytest.raises(ValueError, match="cp=2 must divide the number of processes"):
         train(_model_config(), _train_config(cp=2), _corpus_text(), progress=False)
@@ -144,6 +162,8 @@ def test_mesh_refusals():
         _train_config(fsdp=True, compile="eager").validate()
     with pytest.raises(ValueError, match="warm_start_steps"):
         _train_config(cp=2, warm_start_steps=3).validate()
+    with pytest.raises(ValueError, match="mixed attention with packed sequences"):
+        train(_model_config(attention="psf_mixed"), _train_config(pack=True), _corpus_text())
 
 
 def _corpus_text():

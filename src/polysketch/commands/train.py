@@ -93,6 +93,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--task", choices=["mqar"], default=None, help="synthetic task instead")
     data.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
     data.add_argument("--val-fraction", type=float, default=0.1)
+    data.add_argument(
+        "--pack", action="store_true",
+        help="pack each micro-batch into one row of documents (a new one at every row start "
+        "and after every blank line), each computed alone (linear attentions only)",
+    )  # fmt: skip
     data.add_argument("--mqar-vocab", type=int, default=256)
     data.add_argument("--mqar-seq-len", type=int, default=64)
     data.add_argument("--mqar-kv-pairs", type=int, default=8)
@@ -223,6 +228,7 @@ def _configs_from_args(args):
         warm_start_steps=args.warm_start_steps,
         cp=args.cp,
         fsdp=args.fsdp,
+        pack=args.pack,
     ).validate()
     if train_config.warm_start_steps:
         TransformerLM(model_config).set_exact_attention(True)  # fail early: nothing to switch
@@ -321,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             if args.overwrite and int(os.environ.get("RANK", "0")) == 0:  # rank 0 owns --out
                 _replace_previous_run(out)
         # fail before loading data when the batch or the sequence cannot be split over ranks
-        check_cp_model(model_config, train_config.cp)
+        check_cp_model(model_config, train_config.cp, pack=train_config.pack)
         world = env_world_size()
         if train_config.cp > 1 and world % train_config.cp:
             raise ValueError(

@@ -49,6 +49,7 @@ class TrainConfig:
     warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
     cp: int = 1  # context-parallel ranks per sequence (train.mesh; dp = processes / cp)
     fsdp: bool = False  # FSDP2: parameters sharded over all ranks (train.mesh)
+    pack: bool = False  # rows packed into one with document boundaries (batches.pack_rows)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -73,17 +74,18 @@ class TrainConfig:
             check_choice(self.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
         check_int(self.warm_start_steps, "warm_start_steps", minimum=0)
         check_positive_int(self.cp, "cp")
-        if not isinstance(self.fsdp, bool):
-            raise TypeError(f"fsdp must be a bool, got {type(self.fsdp).__name__}")
+        for name in ("fsdp", "pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.compile is not None and (self.fsdp or self.cp > 1):
             raise ValueError(
                 "compile is not supported with fsdp or cp > 1 (untested: the collectives of "
                 "FSDP2 and of context parallelism inside a compiled graph); drop --compile"
             )
-        if self.warm_start_steps and self.cp > 1:
+        if self.warm_start_steps and (self.cp > 1 or self.pack):
             raise ValueError(
                 "warm_start_steps: the warm start's exact polynomial attention has no "
-                "context-parallel form; use warm_start_steps=0 with cp > 1"
+                "context-parallel or packed form; use warm_start_steps=0 with cp > 1 or pack"
             )
         self.betas = tuple(float(b) for b in self.betas)
         return self

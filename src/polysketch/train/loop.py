@@ -39,20 +39,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from .._checks import check_positive_int
 from ..data.corpus import Corpus
-from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
 from . import distributed, mesh
-from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
+from .batches import (
+    CorpusBatches,
+    MQARBatches,
+    MQARData,
+    make_batches,
+    pack_separator,
+)
 from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import TrainConfig
 from .mesh import Layout
 from .schedule import warmup_cosine
+from .steps import autocast_for as _autocast
+from .steps import evaluate, mesh_step, micro_inputs
 
 __all__ = [
     "TrainConfig",
@@ -88,48 +94,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def _autocast(cfg: TrainConfig, device: torch.device):
-    if cfg.amp == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def _evaluate(model, data, cfg, block_size, ctx, layout=None) -> tuple[float, float]:
-    """Mean loss and next-token accuracy (on labelled positions) over the validation batches.
-
-    On a mesh (``train.mesh``) the rows are split over dp and the columns over cp; a replica
-    without rows runs one row with every label ignored (FSDP2's and the cp ops' collectives
-    need every rank's forward)."""
-    layout = Layout() if layout is None else layout
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    rows_ctx = distributed.DistContext(layout.dp_rank, layout.dp) if layout.uses_mesh else ctx
-    for x, y in val_batches(data, cfg, block_size, rows_ctx):
-        if len(x) == 0:
-            if not layout.uses_mesh:
-                continue
-            x, y = next(val_batches(data, cfg, block_size, distributed.DistContext()))
-            x, y = x[:1], torch.full_like(y[:1], IGNORE_INDEX)
-        if layout.uses_mesh:
-            cols = layout.columns(x.shape[1])
-            x, y = x[:, cols], y[:, cols]
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        with _autocast(cfg, ctx.device):
-            logits, _ = model(x, cp_group=layout.cp_group)
-        logits, y = logits.float().flatten(0, 1), y.flatten()
-        mask = y != IGNORE_INDEX
-        totals[0] += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
-        totals[1] += (logits.argmax(-1)[mask] == y[mask]).sum()
-        totals[2] += mask.sum()
-    model.train(was_training)
-    if ctx.distributed:
-        torch.distributed.all_reduce(totals)
-    count = max(float(totals[2]), 1.0)
-    return float(totals[0]) / count, float(totals[1]) / count
 
 
 class _MetricFiles:
@@ -244,7 +208,7 @@ def train(
                 run.model.set_exact_attention(run.step < cfg.warm_start_steps)
             t0 = time.perf_counter()
             lr = run.optimizer.param_groups[0]["lr"]
-            step_fn = _mesh_step if layout.uses_mesh else _optimizer_step
+            step_fn = mesh_step if layout.uses_mesh else _optimizer_step
             loss_value, batch_tokens = step_fn(run, model, rows, ctx)
             step = run.step = run.step + 1
             dt = time.perf_counter() - t0
@@ -267,7 +231,9 @@ def train(
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 if cfg.warm_start_steps:
                     run.model.set_exact_attention(step < cfg.warm_start_steps)
-                val_loss, acc = _evaluate(run.model, data, cfg, block_size, ctx, layout)
+                val_loss, acc = evaluate(
+                    run.model, data, cfg, block_size, ctx, layout, run.separator
+                )
                 vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
                 history["val"].append(vrow)
                 files.write(vrow)
@@ -301,7 +267,9 @@ def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
             f"({data.vocab_size})"
         )
     world = distributed.env_world_size()
-    mesh.check_cp_model(model_config, cfg.cp)  # an attention without a CP op: before any work
+    mesh.check_cp_model(model_config, cfg.cp, pack=cfg.pack)  # before any work
+    if cfg.pack:
+        pack_separator(data)
     if cfg.cp > 1 and world % cfg.cp:
         raise ValueError(
             f"cp={cfg.cp} must divide the number of processes ({world}); launch with torchrun "
@@ -326,6 +294,7 @@ class _Run:
     batches: CorpusBatches | MQARBatches
     metadata: dict
     layout: Layout = field(default_factory=Layout)
+    separator: list[int] | None = None  # pack: where documents start (batches.pack_rows)
     history: dict = field(default_factory=lambda: {"train": [], "val": []})
     step: int = 0
 
@@ -346,8 +315,9 @@ class _Run:
             optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
         )
         batches = make_batches(data, block_size, cfg.seed)
+        separator = pack_separator(data) if cfg.pack else None
         return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {},
-                   layout)  # fmt: skip
+                   layout, separator)  # fmt: skip
 
     def restore(self, ckpt_path: Path, device) -> None:
         """Continue the run saved at ``ckpt_path`` (its RNG states included); the schedule is
@@ -408,9 +378,10 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
     for k in range(cfg.grad_accum):
         sync = k == cfg.grad_accum - 1 or not ctx.distributed
         part = slice(k * micro, (k + 1) * micro)
+        xm, ym, kw = micro_inputs(x[part], y[part], separator=run.separator)
         with contextlib.nullcontext() if sync else model.no_sync():
             with _autocast(cfg, ctx.device):
-                _, loss = model(x[part], y[part])
+                _, loss = model(xm, ym, **kw)
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach().float()
     if cfg.grad_clip > 0:
@@ -422,42 +393,6 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"training loss became {loss_value} at step {run.step + 1}")
     return loss_value, x.numel() * ctx.world_size
-
-
-def _mesh_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[float, int]:
-    """``_optimizer_step`` on the dp × cp mesh (``train.mesh``): this replica's ``rows`` and
-    this cp rank's shard of the columns; each micro-batch back-propagates Σ token losses /
-    the global batch's labelled-token count; gradients summed over all ranks (one all-reduce,
-    or FSDP2's reduce-scatter), so the step is that of one process on the global batch."""
-    cfg, layout = run.cfg, run.layout
-    x, y = run.batches.next(cfg.batch_size)
-    count = max(int((y != IGNORE_INDEX).sum()), 1)  # the whole global batch, every rank
-    length = x.shape[1]
-    cols = layout.columns(length)
-    x, y = x[rows, cols].to(ctx.device), y[rows, cols].to(ctx.device)
-    micro = (rows.stop - rows.start) // cfg.grad_accum
-    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
-    for k in range(cfg.grad_accum):
-        if layout.fsdp:  # reduce-scatter once, after the last micro-batch
-            model.set_requires_gradient_sync(k == cfg.grad_accum - 1)
-        part = slice(k * micro, (k + 1) * micro)
-        with _autocast(cfg, ctx.device):
-            logits, _ = model(x[part], cp_group=layout.cp_group)
-        token_sum = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten().long(),
-                                    ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
-        (token_sum / count).backward()
-        loss_sum += token_sum.detach().double()
-    mesh.reduce_gradients(model, layout)
-    if cfg.grad_clip > 0:
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    torch.distributed.all_reduce(loss_sum)
-    loss_value = float(loss_sum) / count
-    if not math.isfinite(loss_value):
-        raise FloatingPointError(f"training loss became {loss_value} at step {run.step + 1}")
-    return loss_value, cfg.batch_size * length
 
 
 def _logged(history: dict, log_interval: int, total_steps: int) -> list[dict]:

@@ -73,16 +73,18 @@ class Layout:
         return slice(*shard_bounds(length, self.cp, self.cp_rank))
 
 
-def check_cp_model(model_config, cp: int) -> None:
+def check_cp_model(model_config, cp: int, *, pack: bool = False) -> None:
     """Refuse (ValueError naming the attention and what is supported) a model whose layers
-    have no context-parallel op, when ``cp`` > 1; before any process group or data."""
-    if cp <= 1:
+    cannot run with ``cp`` > 1 (no context-parallel op) or packed (``pack``: mixed attention
+    too); before any process group or data."""
+    if cp <= 1 and not pack:
         return
     from ..distributed import CPGroup
     from ..nn import TransformerLM
     from ..nn.sharding import SequenceShard, check_core_on_shard
 
-    probe = SequenceShard(CPGroup(None, 0, cp), 0, 0, 0)
+    group = CPGroup(None, 0, cp) if cp > 1 else None
+    probe = SequenceShard(group, 0, 0, 0, (0, 0) if pack else None)
     for block in TransformerLM(model_config).blocks:
         check_core_on_shard(block.attn, probe)
 
