@@ -267,7 +267,7 @@ class TransformerLM(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten().long(), ignore_index=-100
+                logits_for_loss(logits).flatten(0, 1), targets.flatten().long(), ignore_index=-100
             )
         return logits, loss
 
@@ -362,6 +362,11 @@ class TransformerLM(nn.Module):
         gen = make_generator(None, generator)
         for block in self.blocks:
             block.attn.redraw_feature_map_(gen)
+
+
+def logits_for_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: fp32 at least (half precision is upcast; fp64 stays fp64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _sample(logits: torch.Tensor, top_k: int | None, generator) -> torch.Tensor:

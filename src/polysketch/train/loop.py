@@ -374,7 +374,7 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
     x, y = run.batches.next(cfg.batch_size)
     x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
     micro = (rows.stop - rows.start) // cfg.grad_accum
-    loss_sum = torch.zeros((), device=ctx.device)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     for k in range(cfg.grad_accum):
         sync = k == cfg.grad_accum - 1 or not ctx.distributed
         part = slice(k * micro, (k + 1) * micro)
@@ -383,7 +383,7 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
             with _autocast(cfg, ctx.device):
                 _, loss = model(xm, ym, **kw)
             (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach().double()
     if cfg.grad_clip > 0:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     run.optimizer.step()

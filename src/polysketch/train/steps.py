@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.mqar import IGNORE_INDEX
+from ..nn.transformer import logits_for_loss
 from . import distributed, mesh
 from .batches import pack_rows, val_batches
 from .config import TrainConfig
@@ -71,7 +72,7 @@ def evaluate(model, data, cfg, block_size, ctx, layout=None, separator=None):
         x, y = x.to(ctx.device), y.to(ctx.device)
         with autocast_for(cfg, ctx.device):
             logits, _ = model(x, **kw)
-        logits, y = logits.float().flatten(0, 1), y.flatten()
+        logits, y = logits_for_loss(logits).flatten(0, 1), y.flatten()
         mask = y != IGNORE_INDEX
         totals[0] += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
         totals[1] += (logits.argmax(-1)[mask] == y[mask]).sum()
@@ -103,7 +104,7 @@ def mesh_step(run, model: nn.Module, rows: slice, ctx) -> tuple[float, int]:
         xm, ym = xm.to(ctx.device), ym.to(ctx.device)
         with autocast_for(cfg, ctx.device):
             logits, _ = model(xm, **kw)
-        token_sum = F.cross_entropy(logits.float().flatten(0, 1), ym.flatten().long(),
+        token_sum = F.cross_entropy(logits_for_loss(logits).flatten(0, 1), ym.flatten().long(),
                                     ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
         (token_sum / count).backward()
         loss_sum += token_sum.detach().double()
