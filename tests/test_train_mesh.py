@@ -161,6 +161,33 @@ def test_generation_after_cp_training_equals_the_loaded_checkpoint(tmp_path):
     assert torch.equal(single.generate(prompt, 24, temperature=0.0), loaded)
 
 
+def _mqar():
+    from polysketch.data.mqar import MQARConfig
+    from polysketch.train import MQARData
+
+    return MQARData.make(MQARConfig(vocab_size=64, seq_len=32, num_kv_pairs=4),
+                         num_train=64, num_val=6)  # fmt: skip
+
+
+def _rank_train_mqar(rank, world, train_kw) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    cfg = _train_config(steps=6, eval_interval=3, **train_kw)
+    return _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
+
+
+def test_mqar_fsdp_with_accumulation_and_an_empty_validation_share():
+    """MQAR (labels on the recall positions only) under FSDP2: dp 2 with grad_accum 2 (one
+    reduce-scatter per step), and dp 4, whose last validation batch (6 examples in batches of
+    4: 2 rows) leaves two replicas without rows: they run a fully ignored row so that every
+    rank joins FSDP2's collectives. Losses and validation losses as on one process."""
+    cfg = _train_config(steps=6, eval_interval=3, grad_accum=2)
+    want = _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
+    for world, kw in ((2, {"fsdp": True, "grad_accum": 2}), (4, {"fsdp": True})):
+        for r in run_ranks(world, _rank_train_mqar, kw):
+            torch.testing.assert_close(r["loss"], want["loss"], rtol=LOSS_RTOL, atol=0)
+            torch.testing.assert_close(r["val"], want["val"], rtol=LOSS_RTOL, atol=0)
+
+
 def test_pack_rows_starts_documents_at_rows_and_after_separators():
     x = torch.tensor([[1, 10, 10, 2, 3, 10], [10, 10, 4, 10, 10, 5]])
     px, py, cu = pack_rows(x, x + 1, [10, 10])
