@@ -94,7 +94,6 @@ def test_mesh_training_equals_one_process(tmp_path, world, model_kw, train_kw):
         _close(r, want)
 
 
-@pytest.mark.parametrize("world, layout", [(2, {"cp": 2}), (2, {"fsdp": True})])
 def test_bf16_autocast_on_cp2_trains_like_one_process(tmp_path):
     """--amp bf16 under cp 2 (psf_mixed: halos and states of bf16 operands, fp32 states):
     within bf16's rounding of the one-process bf16 run (eps 7.8e-3; measured 5.4e-4)."""
@@ -130,6 +129,7 @@ def test_fp64_mesh_training_equals_one_process_to_1e10(tmp_path, world, model_kw
             torch.testing.assert_close(r[key], want[key], rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("world, layout", [(2, {"cp": 2}), (2, {"fsdp": True})])
 def test_resume_is_exact_within_a_layout_and_to_rounding_across(tmp_path, world, layout):
     tmp = str(tmp_path)
     straight = run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/a"})[0]
