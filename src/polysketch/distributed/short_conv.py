@@ -7,10 +7,12 @@ fla's short convolution on q, k, v), for each channel c of u (B, T, C),
 
 reads K - 1 tokens back, so a rank needs the last K - 1 inputs before its shard
 (``polysketch.distributed.halo``: one all-gather of (K - 1)·C values per row and rank, from as
-many earlier ranks as short shards require). Padded tokens (``keep`` False) enter as zeros
-on every rank, as in ``ShortConv``. Given the module's ``weight`` and ``bias``, the result
-equals ``ShortConv`` on the whole sequence; an empty shard returns an empty output that stays
-in the autograd graph (the halo's backward is a collective).
+many earlier ranks as short shards require). Padded tokens (``keep`` False) are removed, as
+in ``ShortConv``: a real token sees the K - 1 real tokens before it, wherever they are, so with
+a mask each row takes its own halo of the K - 1 real inputs before the shard (one halo per row,
+over the rows' real tokens only), and pads output zeros. Given the module's ``weight`` and
+``bias``, the result equals ``ShortConv`` on the whole sequence; an empty shard returns an
+empty output that stays in the autograd graph (the halo's backward is a collective).
 """
 
 from __future__ import annotations
@@ -59,15 +61,32 @@ def cp_short_conv(
             raise TypeError("keep must be a bool tensor (True = keep) or None")
         if tuple(keep.shape) != (b, t):
             raise ValueError(f"keep must have shape (B, T) = {(b, t)}, got {tuple(keep.shape)}")
-        u = u * keep[..., None].to(u.dtype)
+        return _removing_pads(u, keep, weight, bias, g)
+    return _conv(u, weight, bias, g)
+
+
+def _conv(u, weight, bias, g) -> torch.Tensor:
+    """SiLU(conv) of a shard whose every row is real: (B, T_r, C) -> (B, T_r, C)."""
     k = weight.shape[2]
     full = torch.cat([halo(u, k - 1, group=g), u], dim=1)  # (B, K-1+T, C)
-    if t == 0:
+    if u.shape[1] == 0:
         return full[:, k - 1 :]
     y = F.conv1d(
         full.transpose(1, 2),
         weight.to(u.dtype),
         None if bias is None else bias.to(u.dtype),
-        groups=c,
+        groups=u.shape[2],
     )
     return F.silu(y.transpose(1, 2))
+
+
+def _removing_pads(u, keep, weight, bias, g) -> torch.Tensor:
+    """Row by row, the convolution of the row's real tokens (each rank's real tokens form
+    the row's shard of the padless sequence, its length the halo's shard length); pads
+    output zeros. One halo per row: B gathers of (K - 1)·C values."""
+    y = torch.zeros_like(u)
+    for row in range(u.shape[0]):
+        real = keep[row].nonzero().squeeze(-1)  # (n,) positions of the real tokens
+        y_row = _conv(u[row : row + 1, real], weight, bias, g)  # n may be 0: still gathers
+        y = y.index_put((torch.tensor([row], device=u.device), real), y_row[0])
+    return y

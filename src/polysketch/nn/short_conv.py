@@ -10,8 +10,8 @@ the latter: for each channel c of the projections u (B, T, C),
 
 so position t sees tokens t-K+1 .. t only (causal). Padded tokens (``keep`` False) are
 removed (``polysketch.nn.padding``): a real token sees the K - 1 real tokens before it, pads
-reach no token, and a row with pads anywhere computes what it computes without them (left
-padding reads as zeros before the sequence start, as without pads). Decoding keeps the last
+reach no token and output zeros, and a row with pads anywhere computes what it computes
+without them (left padding reads as zeros before the sequence start, as without pads). Decoding keeps the last
 K - 1 real inputs (``tail``, (B, K-1, C)) between calls: feeding a sequence in pieces gives
 the same outputs as feeding it whole.
 """
@@ -53,7 +53,7 @@ class ShortConv(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """u (B, T, C) -> (y (B, T, C), new tail (B, K-1, C)).
 
-        ``keep``: bool (B, T), False rows are removed (their outputs are meaningless).
+        ``keep``: bool (B, T), False rows are removed (their outputs are zeros).
         ``tail``: the inputs of the K - 1 real tokens before u (from the previous call), None =
         the sequence starts here.
         """
@@ -82,7 +82,8 @@ class ShortConv(nn.Module):
             return y, full[:, full.shape[1] - (self.kernel_size - 1) :]
         real = keep.sum(-1, keepdim=True)  # the tail: the K - 1 inputs before row b's end
         last = real + torch.arange(self.kernel_size - 1, device=u.device)  # in `full`
-        return gather_time(y, inverse, dim=1), gather_time(full, last, dim=1)
+        y = gather_time(y, inverse, dim=1) * keep[..., None].to(y.dtype)  # pads: zeros
+        return y, gather_time(full, last, dim=1)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}"
