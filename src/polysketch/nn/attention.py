@@ -157,7 +157,8 @@ class KernelAttention(AttentionCore):
         ``shard``: x holds positions [start, start + T) of a longer sequence on a context-
         parallel rank and/or packed documents (``polysketch.nn.sharding.make_shard``): RoPE,
         the short convolution and the attention follow the whole sequence (and restart at
-        each document); refused with a key padding mask or a cache.
+        each document); with a key padding mask (linear attentions on a cp shard) padding
+        is removal across ranks as on one process; refused with a cache.
         """
         x = check_tensor(x, "x", min_dim=3)
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
@@ -205,17 +206,17 @@ class KernelAttention(AttentionCore):
         """``forward`` on a sequence shard (``polysketch.nn.sharding``)."""
         if not isinstance(shard, SequenceShard):
             raise TypeError(f"shard must be a SequenceShard (make_shard), got {type(shard)}")
-        if keep is not None or cache is not None:
-            raise ValueError(
-                "key_padding_mask and cache are not supported with a sequence shard (context "
-                "parallelism / packing): pack documents with cu_seqlens instead of padding"
-            )
+        if cache is not None:
+            raise ValueError("cache is not supported with a sequence shard (context "
+                             "parallelism / packing)")  # fmt: skip
+        if (keep is None) != (shard.real_before is None):
+            raise ValueError("key_padding_mask: pass the same mask to make_shard(keep=)")
         if x.shape[1] != shard.length:
             raise ValueError(f"x holds {x.shape[1]} tokens, the shard {shard.length}")
         check_core_on_shard(self, shard)
         qkv = self.qkv(x)
         if self.conv is not None:
-            qkv = shard_short_conv(self.conv, qkv, shard)
+            qkv = shard_short_conv(self.conv, qkv, shard, keep)
         q, k, v = (
             rearrange(part, "b t (h d) -> b h t d", h=self.num_heads)
             for part in qkv.split(self._split, dim=-1)
@@ -226,12 +227,15 @@ class KernelAttention(AttentionCore):
         if self.rotary is not None:
             acc = compute_dtype(torch.promote_types(q.dtype, v.dtype))
             q, k = q.to(acc), k.to(acc)
-            if shard.cu_seqlens is None:
+            if keep is not None:  # real tokens counted, those of earlier shards included
+                before = torch.tensor(shard.real_before, device=x.device)
+                q, k = self.rotary.rotate(q, k, positions=real_positions(keep, before))
+            elif shard.cu_seqlens is None:
                 q, k = self.rotary.rotate(q, k, offset=shard.start)
             else:
                 pos = shard.positions(x.device).expand(x.shape[0], -1)
                 q, k = self.rotary.rotate(q, k, positions=pos)
-        o = shard_attend(self, q, k, v, shard, dtype=work)
+        o = shard_attend(self, q, k, v, shard, dtype=work, keep=keep)
         return self.out_proj(rearrange(o, "b h t d -> b t (h d)"))
 
     def _rotate(self, q, k, keep, cache):

@@ -18,10 +18,16 @@ What changes in the layer (everything else is per token):
                  ``cu_seqlens`` on one process); mixed (psf_mixed) → ``cp_mixed_attention``
                  (not packed: its exact local blocks do not reset at document starts).
 
+Key padding (``keep`` (B, T_r) per rank, no packing, linear attentions): padding means
+removal as on one process (``nn.padding``): RoPE positions count real tokens (the real tokens
+of earlier shards come with the shard lengths), the short convolution skips pads across ranks
+(``cp_short_conv(keep=)``) and padded keys drop out of the states.
+
 Refused with a ValueError naming the cause: attentions without a context-parallel op
 (softmax, polynomial, sliding_window; ``CP_ALGORITHMS`` lists what is supported), mixed
-attention with packing, key padding masks, decode caches, the warm start's exact attention
-and rematerialization (``checkpoint=True``) together with a shard.
+attention with packing or with key padding on a shard, key padding with packing, decode
+caches, the warm start's exact attention and rematerialization (``checkpoint=True``)
+together with a shard.
 """
 
 from __future__ import annotations
@@ -59,10 +65,12 @@ class SequenceShard:
     length: int
     total: int
     cu_seqlens: tuple[int, ...] | None = None
+    real_before: tuple[int, ...] | None = None  # key padding: real tokens before, per row
 
     def positions(self, device) -> torch.Tensor:
         """(T_r,) int64: each token's position in its document (its global position when not
-        packed)."""
+        packed; with key padding ``KernelAttention`` counts real tokens instead,
+        ``nn.padding.real_positions`` from ``real_before``)."""
         pos = torch.arange(self.start, self.start + self.length, device=device)
         if self.cu_seqlens is None:
             return pos
@@ -71,23 +79,29 @@ class SequenceShard:
         return pos - starts[doc]
 
 
-def make_shard(length: int, *, group=None, cu_seqlens=None, device=None) -> SequenceShard:
+def make_shard(
+    length: int, *, group=None, cu_seqlens=None, keep=None, device=None
+) -> SequenceShard:
     """The ``SequenceShard`` of this rank's ``length`` tokens.
 
     ``group``: a cp group (ProcessGroup, 1-D DeviceMesh, ``CPGroup``) or ``None`` (no context
-    parallelism). With a group, the ranks' lengths are all-gathered once (every rank of the
-    group must call this together); start and total follow in rank order. ``cu_seqlens``: the
-    packed documents of the whole sequence (checked against the total on every rank).
+    parallelism). With a group, the ranks' lengths (and with ``keep``, a bool (B, T_r) key
+    padding mask, each row's number of real tokens) are all-gathered once (every rank of the
+    group must call this together); start, total and the real tokens before the shard follow
+    in rank order. ``cu_seqlens``: the packed documents of the whole sequence (checked
+    against the total on every rank).
     """
     length = check_int(length, "length", minimum=0)
     g = None if group is None else resolve_group(group)
+    real = [] if keep is None else keep.sum(-1).tolist()
     if g is None:
-        start, total = 0, length
+        start, total, before = 0, length, [0] * len(real)
     else:
-        lengths = [m[0] for m in gather_ints([length], group=g, name="lengths", device=device)]
-        start, total = sum(lengths[: g.rank]), sum(lengths)
+        metas = gather_ints([length, *real], group=g, name="lengths", device=device)
+        start, total = sum(m[0] for m in metas[: g.rank]), sum(m[0] for m in metas)
+        before = [sum(m[1 + row] for m in metas[: g.rank]) for row in range(len(real))]
     cu = None if cu_seqlens is None else tuple(check_cu_seqlens(cu_seqlens, total))
-    return SequenceShard(g, start, length, total, cu)
+    return SequenceShard(g, start, length, total, cu, None if keep is None else tuple(before))
 
 
 def check_core_on_shard(core, shard: SequenceShard) -> None:
@@ -105,6 +119,14 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
             "is not supported: its exact local blocks would cross document boundaries; use a "
             "linear attention (e.g. psf_random) to pack"
         )
+    if shard.real_before is not None and (core.algorithm != "linear" or shard.cu_seqlens):
+        raise ValueError(
+            f"key_padding_mask on a context-parallel shard needs a linear attention without "
+            f"packing, got attention={core.attention!r} ({core.algorithm})"
+            + (" with cu_seqlens" if shard.cu_seqlens else "")
+            + ": mixed attention's block grid would start at each row's first real token "
+            "across ranks; pack documents with cu_seqlens instead of padding"
+        )
     if core.exact_degree is not None:
         raise ValueError(
             "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
@@ -117,10 +139,12 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
         )
 
 
-def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype) -> torch.Tensor:
+def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``core.attend`` for this shard: q, k (B, H, T_r, D), v (B, H, T_r, E) -> (B, H, T_r, E)
     in v's dtype. The precision policy of ``AttentionCore.attend`` (autocast off, operands
-    of ``ops.dispatch.operand_dtype(dtype)``)."""
+    of ``ops.dispatch.operand_dtype(dtype)``). ``keep``: bool (B, T_r) key padding mask
+    (linear attention on a cp shard: padded keys drop out)."""
     check_core_on_shard(core, shard)
     device = q.device.type
     out_dtype = v.dtype
@@ -131,8 +155,9 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype) -> 
         fm = core.feature_map
         cu = None if shard.cu_seqlens is None else list(shard.cu_seqlens)
         if core.algorithm == "linear":
-            phi_q, phi_k = core._features(q, k, None)
-            kw = dict(square=fm.square, chunk_size=core.chunk_size,
+            kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, T_r)
+            phi_q, phi_k = core._features(q, k, kpm)
+            kw = dict(square=fm.square, chunk_size=core.chunk_size, key_padding_mask=kpm,
                       denominator_offset=core.denominator_offset, cu_seqlens=cu)  # fmt: skip
             if shard.group is None:
                 o = linear_attention(phi_q, phi_k, v, causal=True, **kw)
@@ -148,11 +173,12 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype) -> 
     return o.to(out_dtype)
 
 
-def shard_short_conv(conv, u: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+def shard_short_conv(conv, u: torch.Tensor, shard: SequenceShard, keep=None) -> torch.Tensor:
     """``ShortConv`` on this shard's u (B, T_r, C) (module doc): the K − 1 inputs before the
-    shard from the previous ranks, taps that reach before the token's document start zeroed."""
+    shard from the previous ranks, taps that reach before the token's document start zeroed;
+    with ``keep`` (no packing) pads removed as ``ShortConv`` does (``cp_short_conv``)."""
     if shard.cu_seqlens is None:
-        return cp_short_conv(u, conv.weight, conv.bias, group=shard.group)
+        return cp_short_conv(u, conv.weight, conv.bias, group=shard.group, keep=keep)
     k = conv.kernel_size
     if shard.group is None:
         tail = u.new_zeros(u.shape[0], k - 1, u.shape[2])

@@ -240,18 +240,28 @@ class TransformerLM(nn.Module):
         parameter gradients must then be SUMMED over the group (the training loop does it).
         ``cu_seqlens``: packed documents of the whole sequence (the same for every row and
         rank; ``polysketch.ops.varlen``): each document is computed as if alone, RoPE
-        positions restarting at its start. Both: ``polysketch.nn.sharding`` (what is
-        supported, what is refused).
+        positions restarting at its start. ``key_padding_mask`` with ``cp_group``: this
+        rank's (B, T_r) shard of the mask (linear attentions; padding is removal across
+        ranks). Both: ``polysketch.nn.sharding`` (what is supported, what is refused).
         """
         sharded = cp_group is not None or cu_seqlens is not None
         idx = self._check_idx(idx, empty=cp_group is not None)
         shard = None
         if sharded:
-            if caches is not None or key_padding_mask is not None:
+            if caches is not None:
+                raise ValueError("cp_group / cu_seqlens cannot be combined with caches")
+            keep = key_padding_mask
+            if keep is not None and (cu_seqlens is not None or cp_group is None):
                 raise ValueError(
-                    "cp_group / cu_seqlens cannot be combined with caches or key_padding_mask"
+                    "key_padding_mask with cu_seqlens is not supported: pack documents "
+                    "instead of padding them"
                 )
-            shard = make_shard(idx.shape[1], group=cp_group, cu_seqlens=cu_seqlens,
+            if keep is not None and (not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool
+                                     or tuple(keep.shape) != tuple(idx.shape)):  # fmt: skip
+                raise ValueError(
+                    f"key_padding_mask must be a bool tensor of idx's shape {tuple(idx.shape)}"
+                )
+            shard = make_shard(idx.shape[1], group=cp_group, cu_seqlens=cu_seqlens, keep=keep,
                                device=idx.device)  # fmt: skip
             for block in self.blocks:  # refuse before any collective of the layers
                 check_core_on_shard(block.attn, shard)
