@@ -8,7 +8,9 @@
 * an ``MQARData`` set: a fixed training set visited in a seeded random order, one permutation
   per epoch (``MQARBatches``), plus a validation set scored by loss and recall accuracy.
 
-The samplers live in ``batches``; they are re-exported here.
+The samplers live in ``batches``; they are re-exported here. ``pack=True`` trains on packed
+rows (``batches.pack_rows``); ``cp`` > 1 or ``fsdp`` trains on a ``dp × cp`` DeviceMesh
+(``train.mesh``; the step and the evaluation in ``train.steps``) instead of DDP.
 
 Per optimizer step: the global batch (``batch_size`` rows) is drawn, this rank keeps its slice
 (``distributed.rank_slice``), which is split into ``grad_accum`` micro-batches; each micro
