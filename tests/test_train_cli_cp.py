@@ -55,6 +55,17 @@ def test_torchrun_cp2_equals_one_process(tmp_path):
     la = torch.tensor([r["loss"] for r in a["history"]["train"]])
     lb = torch.tensor([r["loss"] for r in b["history"]["train"]])
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=0)
+    # the cp-2 run continues on ONE process (the layout is the launch's, not the checkpoint's)
+    more = ["train", "--out", "", "--resume", "--steps", "6", "--no-progress"]
+    for out in (single, cp):
+        more[2] = str(out)
+        assert main(more) == 0
+    a = load_checkpoint(single / "ckpt.pt", restore_rng=False)
+    b = load_checkpoint(cp / "ckpt.pt", restore_rng=False)
+    assert a["step"] == b["step"] == 6 and b["train_config"]["cp"] == 1
+    la = torch.tensor([r["loss"] for r in a["history"]["train"]])
+    lb = torch.tensor([r["loss"] for r in b["history"]["train"]])
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(

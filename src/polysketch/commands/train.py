@@ -13,7 +13,8 @@ warning); ``--steps`` may extend the run, ``--device`` and ``--compile`` apply. 
 ``--batch-size`` is the global batch. ``--cp C`` splits every sequence over C of the N
 processes (context parallelism; dp = N / C, a ``("dp", "cp")`` DeviceMesh) and ``--fsdp``
 shards the parameters over all N (FSDP2); see ``polysketch.train.mesh``. A checkpoint of
-any layout resumes on any other (``--cp`` and ``--fsdp`` apply with ``--resume``).
+any layout resumes on any other (``--cp`` and ``--fsdp`` describe this launch: with
+``--resume`` they are taken as given, default 1 and off, never from the checkpoint).
 """
 
 from __future__ import annotations
@@ -257,10 +258,7 @@ def _configs_from_checkpoint(args):
         tc["device"] = args.device
     if args.compile is not None:
         tc["compile"] = args.compile
-    if "cp" in (args.given or {}):  # the layout may change on resume
-        tc["cp"] = args.cp
-    if "fsdp" in (args.given or {}):
-        tc["fsdp"] = args.fsdp
+    tc["cp"], tc["fsdp"] = args.cp, args.fsdp  # the layout is this launch's, not the run's
     train_config = TrainConfig(**tc).validate()
     check_device(train_config.device, "--device" if args.device else "--device (the checkpoint's)")
     _warn_ignored(args, state)
