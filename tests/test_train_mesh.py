@@ -224,6 +224,8 @@ def test_mesh_refusals():
         _train_config(fsdp=True, compile="eager").validate()
     with pytest.raises(ValueError, match="warm_start_steps"):
         _train_config(cp=2, warm_start_steps=3).validate()
+    with pytest.raises(ValueError, match="packing needs a text corpus"):
+        train(_model_config(vocab_size=64), _train_config(pack=True), _mqar(), progress=False)
     with pytest.raises(ValueError, match="mixed attention with packed sequences"):
         train(_model_config(attention="psf_mixed"), _train_config(pack=True), _corpus_text())
 
