@@ -10,7 +10,11 @@ non-empty ``--out`` is refused unless ``--resume`` (continue its run) or ``--ove
 come from it (a model, data or optimization flag given with ``--resume`` is ignored, with a
 warning); ``--steps`` may extend the run, ``--device`` and ``--compile`` apply. Under
 ``torchrun --nproc_per_node=N -m polysketch train ...`` it trains data-parallel (DDP);
-``--batch-size`` is the global batch.
+``--batch-size`` is the global batch. ``--cp C`` splits every sequence over C of the N
+processes (context parallelism; dp = N / C, a ``("dp", "cp")`` DeviceMesh) and ``--fsdp``
+shards the parameters over all N (FSDP2); see ``polysketch.train.mesh``. A checkpoint of
+any layout resumes on any other (``--cp`` and ``--fsdp`` describe this launch: with
+``--resume`` they are taken as given, default 1 and off, never from the checkpoint).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from ..train import (
     train,
 )
 from ..train.distributed import env_world_size, rank_slice
+from ..train.mesh import check_cp_model
 from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
 
 __all__ = ["add_parser", "run", "load_data", "ERROR_EXIT", "RESUME_FLAGS"]
 
-RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite")
+RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite", "cp",
+                "fsdp")  # fmt: skip
 """The options ``--resume`` honours; every other option is the checkpoint's (warned about)."""
 
 _ACTIONS = {
@@ -88,6 +94,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--task", choices=["mqar"], default=None, help="synthetic task instead")
     data.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
     data.add_argument("--val-fraction", type=float, default=0.1)
+    data.add_argument(
+        "--pack", action="store_true",
+        help="pack each micro-batch into one row of documents (a new one at every row start "
+        "and after every blank line), each computed alone (linear attentions only)",
+    )  # fmt: skip
     data.add_argument("--mqar-vocab", type=int, default=256)
     data.add_argument("--mqar-seq-len", type=int, default=64)
     data.add_argument("--mqar-kv-pairs", type=int, default=8)
@@ -131,6 +142,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="torch.compile the model (backend: inductor when the flag is given alone)",
     )  # fmt: skip
     opt.add_argument(
+        "--cp", type=int, default=tdef.cp, metavar="C",
+        help="context parallelism: each sequence split over C processes (torchrun; dp = N / C)",
+    )  # fmt: skip
+    opt.add_argument(
+        "--fsdp", action="store_true",
+        help="FSDP2: shard parameters, gradients and optimizer state over all processes",
+    )  # fmt: skip
+    opt.add_argument(
         "--warm-start-steps",
         type=int,
         default=tdef.warm_start_steps,
@@ -146,7 +165,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument(
         "--resume", action="store_true",
         help="continue from OUT/ckpt.pt (its configs win: model, data and optimization flags "
-        "are ignored, with a warning; --steps, --device, --compile apply)",
+        "are ignored, with a warning; --steps, --device, --compile, --cp, --fsdp apply)",
     )  # fmt: skip
     out.add_argument(
         "--overwrite", action="store_true",
@@ -208,6 +227,9 @@ def _configs_from_args(args):
         device=args.device,
         compile=args.compile,
         warm_start_steps=args.warm_start_steps,
+        cp=args.cp,
+        fsdp=args.fsdp,
+        pack=args.pack,
     ).validate()
     if train_config.warm_start_steps:
         TransformerLM(model_config).set_exact_attention(True)  # fail early: nothing to switch
@@ -236,6 +258,7 @@ def _configs_from_checkpoint(args):
         tc["device"] = args.device
     if args.compile is not None:
         tc["compile"] = args.compile
+    tc["cp"], tc["fsdp"] = args.cp, args.fsdp  # the layout is this launch's, not the run's
     train_config = TrainConfig(**tc).validate()
     check_device(train_config.device, "--device" if args.device else "--device (the checkpoint's)")
     _warn_ignored(args, state)
@@ -301,8 +324,19 @@ def run(args: argparse.Namespace) -> int:
             prepare_out_dir(out, overwrite=args.overwrite, hint=hint)  # every rank refuses
             if args.overwrite and int(os.environ.get("RANK", "0")) == 0:  # rank 0 owns --out
                 _replace_previous_run(out)
-        # fail before loading data when the batch cannot be split over ranks
-        rank_slice(train_config.batch_size, env_world_size(), 0, train_config.grad_accum)
+        # fail before loading data when the batch or the sequence cannot be split over ranks
+        check_cp_model(model_config, train_config.cp, pack=train_config.pack)
+        world = env_world_size()
+        if train_config.cp > 1 and world % train_config.cp:
+            raise ValueError(
+                f"--cp {train_config.cp} must divide the number of processes ({world}): launch "
+                f"with torchrun --nproc-per-node N, N a multiple of {train_config.cp}"
+            )
+        if train_config.fsdp and world == 1:
+            raise ValueError("--fsdp needs several processes: launch with torchrun "
+                             "--nproc-per-node N (N >= 2)")  # fmt: skip
+        dp = max(world // train_config.cp, 1)
+        rank_slice(train_config.batch_size, dp, 0, train_config.grad_accum)
         data = load_data(source)
         history = train(
             model_config,

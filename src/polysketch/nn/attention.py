@@ -35,6 +35,7 @@ from .._checks import check_float, check_int, check_positive_int, check_tensor, 
 from .core import AttentionCore, working_dtype
 from .padding import real_positions
 from .rope import RotaryEmbedding
+from .sharding import SequenceShard, check_core_on_shard, shard_attend, shard_short_conv
 from .short_conv import ShortConv
 
 __all__ = ["KernelAttention"]
@@ -143,6 +144,7 @@ class KernelAttention(AttentionCore):
         *,
         key_padding_mask: torch.Tensor | None = None,
         cache=None,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """x (B, T, E) -> (B, T, E).
 
@@ -152,6 +154,11 @@ class KernelAttention(AttentionCore):
         ``cache``: a ``new_cache()`` object; x are then the next T tokens after the
         ``cache.length`` already consumed (RoPE positions continue), the cache is updated in
         place, and the output equals that of the full sequence at those positions.
+        ``shard``: x holds positions [start, start + T) of a longer sequence on a context-
+        parallel rank and/or packed documents (``polysketch.nn.sharding.make_shard``): RoPE,
+        the short convolution and the attention follow the whole sequence (and restart at
+        each document); with a key padding mask (linear attentions on a cp shard) padding
+        is removal across ranks as on one process; refused with a cache.
         """
         x = check_tensor(x, "x", min_dim=3)
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
@@ -172,6 +179,8 @@ class KernelAttention(AttentionCore):
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache())")
 
+        if shard is not None:
+            return self._forward_shard(x, shard, keep, cache)
         qkv = self.qkv(x)
         if self.conv is not None:
             tail = None if cache is None or cache.length == 0 else cache.conv_tail
@@ -191,6 +200,42 @@ class KernelAttention(AttentionCore):
         elif cache is not None:
             self._advance_positions(keep, cache, t)
         o = self.attend(q, k, v, keep=keep, cache=cache, dtype=work)
+        return self.out_proj(rearrange(o, "b h t d -> b t (h d)"))
+
+    def _forward_shard(self, x, shard: SequenceShard, keep, cache) -> torch.Tensor:
+        """``forward`` on a sequence shard (``polysketch.nn.sharding``)."""
+        if not isinstance(shard, SequenceShard):
+            raise TypeError(f"shard must be a SequenceShard (make_shard), got {type(shard)}")
+        if cache is not None:
+            raise ValueError("cache is not supported with a sequence shard (context "
+                             "parallelism / packing)")  # fmt: skip
+        if (keep is None) != (shard.real_before is None):
+            raise ValueError("key_padding_mask: pass the same mask to make_shard(keep=)")
+        if x.shape[1] != shard.length:
+            raise ValueError(f"x holds {x.shape[1]} tokens, the shard {shard.length}")
+        check_core_on_shard(self, shard)
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv = shard_short_conv(self.conv, qkv, shard, keep)
+        q, k, v = (
+            rearrange(part, "b t (h d) -> b h t d", h=self.num_heads)
+            for part in qkv.split(self._split, dim=-1)
+        )
+        work = working_dtype(q, v)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            acc = compute_dtype(torch.promote_types(q.dtype, v.dtype))
+            q, k = q.to(acc), k.to(acc)
+            if keep is not None:  # real tokens counted, those of earlier shards included
+                before = torch.tensor(shard.real_before, device=x.device)
+                q, k = self.rotary.rotate(q, k, positions=real_positions(keep, before))
+            elif shard.cu_seqlens is None:
+                q, k = self.rotary.rotate(q, k, offset=shard.start)
+            else:
+                pos = shard.positions(x.device).expand(x.shape[0], -1)
+                q, k = self.rotary.rotate(q, k, positions=pos)
+        o = shard_attend(self, q, k, v, shard, dtype=work, keep=keep)
         return self.out_proj(rearrange(o, "b h t d -> b t (h d)"))
 
     def _rotate(self, q, k, keep, cache):

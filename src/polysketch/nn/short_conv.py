@@ -11,9 +11,9 @@ the latter: for each channel c of the projections u (B, T, C),
 so position t sees tokens t-K+1 .. t only (causal). Padded tokens (``keep`` False) are
 removed (``polysketch.nn.padding``): a real token sees the K - 1 real tokens before it, pads
 reach no token and output zeros, and a row with pads anywhere computes what it computes
-without them (left padding reads as zeros before the sequence start, as without pads). Decoding keeps the last
-K - 1 real inputs (``tail``, (B, K-1, C)) between calls: feeding a sequence in pieces gives
-the same outputs as feeding it whole.
+without them (left padding reads as zeros before the sequence start, as without pads).
+Decoding keeps the last K - 1 real inputs (``tail``, (B, K-1, C)) between calls: feeding a
+sequence in pieces gives the same outputs as feeding it whole.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from torch import nn
 from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
+from .sharding import check_core_on_shard, make_shard
 from .warm_start import set_exact_attention as _set_exact_attention
 
 __all__ = ["TransformerConfig", "TransformerLM", "GLU"]
@@ -131,9 +132,9 @@ class Block(nn.Module):
         self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, *, key_padding_mask=None, cache=None):
+    def forward(self, x, *, key_padding_mask=None, cache=None, shard=None):
         x = x + self.dropout(
-            self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache)
+            self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache, shard=shard)
         )
         return x + self.ffn(self.ln_2(x))
 
@@ -181,11 +182,12 @@ class TransformerLM(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
 
     # ----- forward ---------------------------------------------------------------------------
-    def _check_idx(self, idx: torch.Tensor, name: str = "idx") -> torch.Tensor:
+    def _check_idx(self, idx: torch.Tensor, name: str = "idx", *, empty: bool = False):
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be a LongTensor of token ids")
-        if idx.dim() != 2 or idx.shape[1] < 1:
-            raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        if idx.dim() != 2 or idx.shape[1] < (0 if empty else 1):
+            least = "T >= 0 (a context-parallel shard)" if empty else "T >= 1"
+            raise ValueError(f"{name} must have shape (B, T) with {least}, got {tuple(idx.shape)}")
         vocab = self.config.vocab_size
         message = f"{name} must hold ids in [0, vocab_size={vocab})"
         if idx.device.type != "cpu" or torch.compiler.is_compiling():
@@ -222,13 +224,47 @@ class TransformerLM(nn.Module):
         *,
         key_padding_mask: torch.Tensor | None = None,
         caches: list | None = None,
+        cp_group=None,
+        cu_seqlens=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, V) and, with ``targets`` (B, T), the mean cross-entropy (-100 ignored).
 
         ``key_padding_mask`` (B, T) bool, True = real token. ``caches``: one per layer from
         ``new_caches()``; idx are then the tokens after those already consumed.
+
+        Context parallelism: with ``cp_group`` (a ProcessGroup, a 1-D DeviceMesh such as
+        ``mesh["cp"]``, or a ``polysketch.distributed.CPGroup``), idx is this rank's shard
+        (B, T_r) of the sequence (T_r >= 0; ranks in sequence order, e.g.
+        ``polysketch.distributed.shard(idx, group=g, dim=1)``), and the logits (and loss) are
+        those of its tokens; every rank of the group calls forward and backward together, and
+        parameter gradients must then be SUMMED over the group (the training loop does it).
+        ``cu_seqlens``: packed documents of the whole sequence (the same for every row and
+        rank; ``polysketch.ops.varlen``): each document is computed as if alone, RoPE
+        positions restarting at its start. ``key_padding_mask`` with ``cp_group``: this
+        rank's (B, T_r) shard of the mask (linear attentions; padding is removal across
+        ranks). Both: ``polysketch.nn.sharding`` (what is supported, what is refused).
         """
-        idx = self._check_idx(idx)
+        sharded = cp_group is not None or cu_seqlens is not None
+        idx = self._check_idx(idx, empty=cp_group is not None)
+        shard = None
+        if sharded:
+            if caches is not None:
+                raise ValueError("cp_group / cu_seqlens cannot be combined with caches")
+            keep = key_padding_mask
+            if keep is not None and (cu_seqlens is not None or cp_group is None):
+                raise ValueError(
+                    "key_padding_mask with cu_seqlens is not supported: pack documents "
+                    "instead of padding them"
+                )
+            if keep is not None and (not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool
+                                     or tuple(keep.shape) != tuple(idx.shape)):  # fmt: skip
+                raise ValueError(
+                    f"key_padding_mask must be a bool tensor of idx's shape {tuple(idx.shape)}"
+                )
+            shard = make_shard(idx.shape[1], group=cp_group, cu_seqlens=cu_seqlens, keep=keep,
+                               device=idx.device)  # fmt: skip
+            for block in self.blocks:  # refuse before any collective of the layers
+                check_core_on_shard(block.attn, shard)
         if targets is not None:
             targets = self._check_targets(targets, idx)
         if caches is not None and len(caches) != len(self.blocks):
@@ -236,12 +272,12 @@ class TransformerLM(nn.Module):
         x = self.drop(self.wte(idx))
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
-            x = block(x, key_padding_mask=key_padding_mask, cache=cache)
+            x = block(x, key_padding_mask=key_padding_mask, cache=cache, shard=shard)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten().long(), ignore_index=-100
+                logits_for_loss(logits).flatten(0, 1), targets.flatten().long(), ignore_index=-100
             )
         return logits, loss
 
@@ -336,6 +372,11 @@ class TransformerLM(nn.Module):
         gen = make_generator(None, generator)
         for block in self.blocks:
             block.attn.redraw_feature_map_(gen)
+
+
+def logits_for_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: fp32 at least (half precision is upcast; fp64 stays fp64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _sample(logits: torch.Tensor, top_k: int | None, generator) -> torch.Tensor:

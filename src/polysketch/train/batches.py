@@ -4,6 +4,11 @@
   stream, x = block[:-1], y = block[1:]; the ``torch.Generator`` state *is* the data position.
 * ``MQARData`` / ``MQARBatches``: a fixed MQAR training set visited in a seeded random order,
   one permutation per epoch, plus a validation set.
+* ``pack_rows``: ``train --pack``: a batch of rows as ONE packed row with ``cu_seqlens``
+  (``polysketch.ops.varlen``): every row is a document, and inside a row a new document
+  starts after each corpus document separator (``DOC_SEPARATOR``, a blank line: the corpus
+  joins its files with one, and blank lines between paragraphs count too: the byte stream
+  keeps no other boundary).
 
 Every sampler has ``next(batch_size)`` and ``state_dict()`` / ``load_state_dict()`` so a
 checkpoint resumes the data stream exactly.
@@ -16,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.corpus import Corpus
+from ..data.corpus import DOC_SEPARATOR, Corpus
 from ..data.mqar import MQARConfig, make_mqar
 from . import distributed
 from .config import TrainConfig
 
-__all__ = ["MQARData", "CorpusBatches", "MQARBatches", "make_batches", "val_batches"]
+__all__ = ["MQARData", "CorpusBatches", "MQARBatches", "make_batches", "val_batches",
+           "pack_rows", "pack_separator"]  # fmt: skip
 
 
 @dataclass
@@ -127,3 +133,26 @@ def val_batches(data, cfg: TrainConfig, block_size: int, ctx):
     for _ in range(cfg.eval_batches):
         x, y = sampler.next(cfg.batch_size)
         yield x[rows], y[rows]
+
+
+def pack_separator(data) -> list[int]:
+    """The token ids after which ``pack_rows`` starts a document: the corpus' blank line.
+    Raises ValueError for MQAR (one example per row already; nothing to pack)."""
+    if not isinstance(data, Corpus):
+        raise ValueError("pack: packing needs a text corpus (MQAR examples are one per row)")
+    return list(DOC_SEPARATOR.encode("utf-8"))  # the byte tokenizer's ids
+
+
+def pack_rows(x: torch.Tensor, y: torch.Tensor, separator: list[int]) -> tuple:
+    """(b, T) inputs and targets -> ((1, b·T), (1, b·T), cu_seqlens): the rows side by side,
+    a document starting at every row start and right after every occurrence of
+    ``separator`` in a row (module docstring). Each document is then computed alone."""
+    b, t = x.shape
+    starts = set(range(0, b * t, t))
+    s = len(separator)
+    if s and t >= s:
+        hit = (x.unfold(1, s, 1) == torch.tensor(separator, dtype=x.dtype)).all(-1)
+        for row, j in hit.nonzero().tolist():
+            if j + s < t:
+                starts.add(row * t + j + s)
+    return x.reshape(1, b * t), y.reshape(1, b * t), sorted(starts) + [b * t]

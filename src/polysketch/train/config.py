@@ -23,7 +23,9 @@ class TrainConfig:
     ``amp="bf16"`` runs forward passes under ``torch.autocast(dtype=bfloat16)``.
     ``compile`` names a ``torch.compile`` backend for the model (``"inductor"``, the default
     of ``polysketch train --compile``; ``"aot_eager"`` compiles without code generation);
-    ``None`` runs eagerly. Checkpoints hold the uncompiled model's state either way."""
+    ``None`` runs eagerly. Checkpoints hold the uncompiled model's state either way.
+    ``cp`` > 1 (context parallelism) and ``fsdp`` (FSDP2) run under torchrun on a
+    ``dp × cp`` mesh (``polysketch.train.mesh``)."""
 
     steps: int = 1000
     batch_size: int = 16
@@ -45,6 +47,9 @@ class TrainConfig:
     device: str | None = None
     compile: str | None = None
     warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
+    cp: int = 1  # context-parallel ranks per sequence (train.mesh; dp = processes / cp)
+    fsdp: bool = False  # FSDP2: parameters sharded over all ranks (train.mesh)
+    pack: bool = False  # rows packed into one with document boundaries (batches.pack_rows)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -68,5 +73,19 @@ class TrainConfig:
         if self.compile is not None:
             check_choice(self.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
         check_int(self.warm_start_steps, "warm_start_steps", minimum=0)
+        check_positive_int(self.cp, "cp")
+        for name in ("fsdp", "pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.compile is not None and (self.fsdp or self.cp > 1):
+            raise ValueError(
+                "compile is not supported with fsdp or cp > 1 (untested: the collectives of "
+                "FSDP2 and of context parallelism inside a compiled graph); drop --compile"
+            )
+        if self.warm_start_steps and (self.cp > 1 or self.pack):
+            raise ValueError(
+                "warm_start_steps: the warm start's exact polynomial attention has no "
+                "context-parallel or packed form; use warm_start_steps=0 with cp > 1 or pack"
+            )
         self.betas = tuple(float(b) for b in self.betas)
         return self

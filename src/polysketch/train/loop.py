@@ -8,7 +8,9 @@
 * an ``MQARData`` set: a fixed training set visited in a seeded random order, one permutation
   per epoch (``MQARBatches``), plus a validation set scored by loss and recall accuracy.
 
-The samplers live in ``batches``; they are re-exported here.
+The samplers live in ``batches``; they are re-exported here. ``pack=True`` trains on packed
+rows (``batches.pack_rows``); ``cp`` > 1 or ``fsdp`` trains on a ``dp × cp`` DeviceMesh
+(``train.mesh``; the step and the evaluation in ``train.steps``) instead of DDP.
 
 Per optimizer step: the global batch (``batch_size`` rows) is drawn, this rank keeps its slice
 (``distributed.rank_slice``), which is split into ``grad_accum`` micro-batches; each micro
@@ -39,19 +41,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from .._checks import check_positive_int
 from ..data.corpus import Corpus
-from ..data.mqar import IGNORE_INDEX
 from ..nn import TransformerConfig, TransformerLM
-from . import distributed
-from .batches import CorpusBatches, MQARBatches, MQARData, make_batches, val_batches
+from . import distributed, mesh
+from .batches import (
+    CorpusBatches,
+    MQARBatches,
+    MQARData,
+    make_batches,
+    pack_separator,
+)
 from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import TrainConfig
+from .mesh import Layout
 from .schedule import warmup_cosine
+from .steps import autocast_for as _autocast
+from .steps import evaluate, mesh_step, micro_inputs
 
 __all__ = [
     "TrainConfig",
@@ -87,36 +96,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def _autocast(cfg: TrainConfig, device: torch.device):
-    if cfg.amp == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def _evaluate(model, data, cfg, block_size, ctx) -> tuple[float, float]:
-    """Mean loss and next-token accuracy (on labelled positions) over the validation batches."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    for x, y in val_batches(data, cfg, block_size, ctx):
-        if len(x) == 0:
-            continue
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        with _autocast(cfg, ctx.device):
-            logits, _ = model(x)
-        logits, y = logits.float().flatten(0, 1), y.flatten()
-        mask = y != IGNORE_INDEX
-        totals[0] += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
-        totals[1] += (logits.argmax(-1)[mask] == y[mask]).sum()
-        totals[2] += mask.sum()
-    model.train(was_training)
-    if ctx.distributed:
-        torch.distributed.all_reduce(totals)
-    count = max(float(totals[2]), 1.0)
-    return float(totals[0]) / count, float(totals[1]) / count
 
 
 class _MetricFiles:
@@ -203,16 +182,17 @@ def train(
     try:
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
-        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata)
+        layout = mesh.make_layout(ctx, cp=cfg.cp, fsdp=cfg.fsdp)
+        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout)
         if resume:
             run.restore(ckpt_path, ctx.device)
         model = run.model
-        if ctx.distributed:
+        if ctx.distributed and not layout.uses_mesh:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if cfg.compile is not None:  # after DDP, as torch recommends; state_dict from run.model
             model = torch.compile(model, backend=cfg.compile)
-        rows = distributed.rank_slice(cfg.batch_size, ctx.world_size, ctx.rank, cfg.grad_accum)
+        rows = layout.rows(cfg.batch_size, cfg.grad_accum)
         main = ctx.is_main
         history = run.history
         files = _MetricFiles(
@@ -230,7 +210,8 @@ def train(
                 run.model.set_exact_attention(run.step < cfg.warm_start_steps)
             t0 = time.perf_counter()
             lr = run.optimizer.param_groups[0]["lr"]
-            loss_value, batch_tokens = _optimizer_step(run, model, rows, ctx)
+            step_fn = mesh_step if layout.uses_mesh else _optimizer_step
+            loss_value, batch_tokens = step_fn(run, model, rows, ctx)
             step = run.step = run.step + 1
             dt = time.perf_counter() - t0
             elapsed += dt
@@ -252,15 +233,19 @@ def train(
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 if cfg.warm_start_steps:
                     run.model.set_exact_attention(step < cfg.warm_start_steps)
-                val_loss, acc = _evaluate(run.model, data, cfg, block_size, ctx)
+                val_loss, acc = evaluate(
+                    run.model, data, cfg, block_size, ctx, layout, run.separator
+                )
                 vrow = {"step": step, "split": "val", "loss": val_loss, "accuracy": acc}
                 history["val"].append(vrow)
                 files.write(vrow)
                 if progress and main:
                     bar.write(f"step {step}: val loss {val_loss:.4f}, accuracy {acc:.4f}")
             if step == end or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                if ckpt_path is not None and main:
-                    save_checkpoint(ckpt_path, run.checkpoint_state())
+                if ckpt_path is not None:
+                    state = run.checkpoint_state()  # gathered on rank 0 (a collective)
+                    if main:
+                        save_checkpoint(ckpt_path, state)
         bar.close()
         history["model"] = run.model
         return history
@@ -283,7 +268,16 @@ def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
             f"vocab_size of the model ({model_config.vocab_size}) is smaller than the data's "
             f"({data.vocab_size})"
         )
-    distributed.rank_slice(cfg.batch_size, distributed.env_world_size(), 0, cfg.grad_accum)
+    world = distributed.env_world_size()
+    mesh.check_cp_model(model_config, cfg.cp, pack=cfg.pack)  # before any work
+    if cfg.pack:
+        pack_separator(data)
+    if cfg.cp > 1 and world % cfg.cp:
+        raise ValueError(
+            f"cp={cfg.cp} must divide the number of processes ({world}); launch with torchrun "
+            f"--nproc-per-node N, N a multiple of {cfg.cp} (dp = N / cp)"
+        )
+    distributed.rank_slice(cfg.batch_size, max(world // cfg.cp, 1), 0, cfg.grad_accum)
     if stop_after is not None:
         check_positive_int(stop_after, "stop_after")
     return cfg
@@ -301,15 +295,21 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     batches: CorpusBatches | MQARBatches
     metadata: dict
+    layout: Layout = field(default_factory=Layout)
+    separator: list[int] | None = None  # pack: where documents start (batches.pack_rows)
     history: dict = field(default_factory=lambda: {"train": [], "val": []})
     step: int = 0
 
     @classmethod
-    def start(cls, model_config, cfg, data, block_size, device, metadata) -> _Run:
+    def start(cls, model_config, cfg, data, block_size, device, metadata, layout=None) -> _Run:
         """A fresh run: torch's global RNG seeded with ``cfg.seed``, then the model (weights
-        from ``model_config.seed``), AdamW, the schedule and the data sampler."""
+        from ``model_config.seed``; sharded by FSDP2 when ``layout.fsdp``), AdamW, the
+        schedule and the data sampler."""
+        layout = Layout() if layout is None else layout
         torch.manual_seed(cfg.seed)
         model = TransformerLM(model_config).to(device)
+        if layout.fsdp:
+            mesh.shard_model(model, layout)
         optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
         )
@@ -317,7 +317,9 @@ class _Run:
             optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.min_lr
         )
         batches = make_batches(data, block_size, cfg.seed)
-        return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {})
+        separator = pack_separator(data) if cfg.pack else None
+        return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {},
+                   layout, separator)  # fmt: skip
 
     def restore(self, ckpt_path: Path, device) -> None:
         """Continue the run saved at ``ckpt_path`` (its RNG states included); the schedule is
@@ -331,8 +333,8 @@ class _Run:
             )
         optimizer, scheduler = self.optimizer, self.scheduler
         try:
-            self.model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            mesh.load_state(self.model, optimizer, state["model"], state["optimizer"],
+                            self.layout)  # fmt: skip
             scheduler.load_state_dict(state["scheduler"])
             scheduler.lr_lambdas[0].total_steps = self.cfg.steps  # the run may be extended
             for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
@@ -346,10 +348,15 @@ class _Run:
             ) from None
 
     def checkpoint_state(self) -> dict:
-        """The state ``save_checkpoint`` writes (``restore`` reads it back)."""
+        """The state ``save_checkpoint`` writes (``restore`` reads it back): the gathered,
+        one-process format (``train.mesh.gather_state``; every rank must call this, rank 0
+        gets the state, the others None)."""
+        model_state, optim_state = mesh.gather_state(self.model, self.optimizer, self.layout)
+        if model_state is None:
+            return None
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "data": self.batches.state_dict(),
             "step": self.step,
@@ -369,15 +376,16 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
     x, y = run.batches.next(cfg.batch_size)
     x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
     micro = (rows.stop - rows.start) // cfg.grad_accum
-    loss_sum = torch.zeros((), device=ctx.device)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     for k in range(cfg.grad_accum):
         sync = k == cfg.grad_accum - 1 or not ctx.distributed
         part = slice(k * micro, (k + 1) * micro)
+        xm, ym, kw = micro_inputs(x[part], y[part], separator=run.separator)
         with contextlib.nullcontext() if sync else model.no_sync():
             with _autocast(cfg, ctx.device):
-                _, loss = model(x[part], y[part])
+                _, loss = model(xm, ym, **kw)
             (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach().double()
     if cfg.grad_clip > 0:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     run.optimizer.step()

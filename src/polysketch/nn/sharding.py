@@ -1,0 +1,193 @@
+"""How a layer sees its piece of a sequence: a context-parallel shard and/or packed documents.
+
+A ``SequenceShard`` tells ``KernelAttention`` / ``TransformerLM`` that the (B, T_r, ·) rows it
+gets are the positions [start, start + T_r) of a sequence of T tokens,
+
+* held by rank r of a ``cp`` group (``polysketch.distributed``: one contiguous shard per rank,
+  in rank order, any lengths, empty shards allowed), and/or
+* packed: the sequence holds documents [c_0, c_1), ..., [c_{n-1}, c_n) (``cu_seqlens`` of the
+  WHOLE sequence, the same for every row and rank; ``polysketch.ops.varlen``).
+
+What changes in the layer (everything else is per token):
+
+    RoPE position of global token p:   p − c_d(p)      (c_d(p): the start of p's document;
+                                                         p itself without packing)
+    short conv:  y_p = SiLU(Σ_i w_i u_{p−K+1+i} [p−K+1+i ≥ c_d(p)] + b)   (K − 1 inputs of
+                 the previous rank come as a halo, ``distributed.halo``)
+    attention:   linear maps → ``cp_linear_attention`` (or ``ops.linear_attention`` with
+                 ``cu_seqlens`` on one process); mixed (psf_mixed) → ``cp_mixed_attention``
+                 (not packed: its exact local blocks do not reset at document starts).
+
+Key padding (``keep`` (B, T_r) per rank, no packing, linear attentions): padding means
+removal as on one process (``nn.padding``): RoPE positions count real tokens (the real tokens
+of earlier shards come with the shard lengths), the short convolution skips pads across ranks
+(``cp_short_conv(keep=)``) and padded keys drop out of the states.
+
+Refused with a ValueError naming the cause: attentions without a context-parallel op
+(softmax, polynomial, sliding_window; ``CP_ALGORITHMS`` lists what is supported), mixed
+attention with packing or with key padding on a shard, key padding with packing, decode
+caches, the warm start's exact attention and rematerialization (``checkpoint=True``)
+together with a shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_int
+from ..distributed import cp_linear_attention, cp_mixed_attention, cp_short_conv, halo
+from ..distributed.comm import gather_ints
+from ..distributed.group import CPGroup, resolve_group
+from ..ops import dispatch, linear_attention
+from ..ops.varlen import check_cu_seqlens
+
+__all__ = ["CP_ALGORITHMS", "SequenceShard", "make_shard", "shard_attend", "shard_short_conv"]
+
+CP_ALGORITHMS = {"linear": "every feature map (psf_random, psf_learned, ...)",
+                 "mixed": "psf_mixed / mixed=True"}  # fmt: skip
+"""The attention algorithms (``AttentionCore.algorithm``) that run on a ``SequenceShard``."""
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Positions [``start``, ``start + length``) of a sequence of ``total`` tokens (module doc).
+
+    ``group``: the resolved cp group (``None``: one process holds the whole sequence, which
+    then must be packed). ``cu_seqlens``: the documents of the whole sequence, or ``None``.
+    """
+
+    group: CPGroup | None
+    start: int
+    length: int
+    total: int
+    cu_seqlens: tuple[int, ...] | None = None
+    real_before: tuple[int, ...] | None = None  # key padding: real tokens before, per row
+
+    def positions(self, device) -> torch.Tensor:
+        """(T_r,) int64: each token's position in its document (its global position when not
+        packed; with key padding ``KernelAttention`` counts real tokens instead,
+        ``nn.padding.real_positions`` from ``real_before``)."""
+        pos = torch.arange(self.start, self.start + self.length, device=device)
+        if self.cu_seqlens is None:
+            return pos
+        starts = torch.tensor(self.cu_seqlens[:-1], device=device)
+        doc = torch.bucketize(pos, starts, right=True) - 1  # last start <= p
+        return pos - starts[doc]
+
+
+def make_shard(
+    length: int, *, group=None, cu_seqlens=None, keep=None, device=None
+) -> SequenceShard:
+    """The ``SequenceShard`` of this rank's ``length`` tokens.
+
+    ``group``: a cp group (ProcessGroup, 1-D DeviceMesh, ``CPGroup``) or ``None`` (no context
+    parallelism). With a group, the ranks' lengths (and with ``keep``, a bool (B, T_r) key
+    padding mask, each row's number of real tokens) are all-gathered once (every rank of the
+    group must call this together); start, total and the real tokens before the shard follow
+    in rank order. ``cu_seqlens``: the packed documents of the whole sequence (checked
+    against the total on every rank).
+    """
+    length = check_int(length, "length", minimum=0)
+    g = None if group is None else resolve_group(group)
+    real = [] if keep is None else keep.sum(-1).tolist()
+    if g is None:
+        start, total, before = 0, length, [0] * len(real)
+    else:
+        metas = gather_ints([length, *real], group=g, name="lengths", device=device)
+        start, total = sum(m[0] for m in metas[: g.rank]), sum(m[0] for m in metas)
+        before = [sum(m[1 + row] for m in metas[: g.rank]) for row in range(len(real))]
+    cu = None if cu_seqlens is None else tuple(check_cu_seqlens(cu_seqlens, total))
+    return SequenceShard(g, start, length, total, cu, None if keep is None else tuple(before))
+
+
+def check_core_on_shard(core, shard: SequenceShard) -> None:
+    """Refuse (ValueError) a core that cannot compute exactly on ``shard`` (module doc)."""
+    if core.algorithm not in CP_ALGORITHMS:
+        supported = "; ".join(f"{k}: {v}" for k, v in CP_ALGORITHMS.items())
+        what = "context parallelism" if shard.group is not None else "packed sequences"
+        raise ValueError(
+            f"attention={core.attention!r} ({core.algorithm} attention) has no {what} op; "
+            f"supported: {supported}"
+        )
+    if core.algorithm == "mixed" and shard.cu_seqlens is not None:
+        raise ValueError(
+            f"attention={core.attention!r}: mixed attention with packed sequences (cu_seqlens) "
+            "is not supported: its exact local blocks would cross document boundaries; use a "
+            "linear attention (e.g. psf_random) to pack"
+        )
+    if shard.real_before is not None and (core.algorithm != "linear" or shard.cu_seqlens):
+        raise ValueError(
+            f"key_padding_mask on a context-parallel shard needs a linear attention without "
+            f"packing, got attention={core.attention!r} ({core.algorithm})"
+            + (" with cu_seqlens" if shard.cu_seqlens else "")
+            + ": mixed attention's block grid would start at each row's first real token "
+            "across ranks; pack documents with cu_seqlens instead of padding"
+        )
+    if core.exact_degree is not None:
+        raise ValueError(
+            "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
+            "context-parallel or packed form: switch it off first"
+        )
+    if core.checkpoint:
+        raise ValueError(
+            "checkpoint=True (rematerialization) is not supported on a sequence shard: the "
+            "recomputation would repeat the collectives; build the layer with checkpoint=False"
+        )
+
+
+def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``core.attend`` for this shard: q, k (B, H, T_r, D), v (B, H, T_r, E) -> (B, H, T_r, E)
+    in v's dtype. The precision policy of ``AttentionCore.attend`` (autocast off, operands
+    of ``ops.dispatch.operand_dtype(dtype)``). ``keep``: bool (B, T_r) key padding mask
+    (linear attention on a cp shard: padded keys drop out)."""
+    check_core_on_shard(core, shard)
+    device = q.device.type
+    out_dtype = v.dtype
+    autocast = torch.is_autocast_enabled(device)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        od = dispatch.operand_dtype(dtype, q.device)
+        q, k, v = q.to(od), k.to(od), v.to(od)
+        fm = core.feature_map
+        cu = None if shard.cu_seqlens is None else list(shard.cu_seqlens)
+        if core.algorithm == "linear":
+            kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, T_r)
+            phi_q, phi_k = core._features(q, k, kpm)
+            kw = dict(square=fm.square, chunk_size=core.chunk_size, key_padding_mask=kpm,
+                      denominator_offset=core.denominator_offset, cu_seqlens=cu)  # fmt: skip
+            if shard.group is None:
+                o = linear_attention(phi_q, phi_k, v, causal=True, **kw)
+            else:
+                o = cp_linear_attention(phi_q, phi_k, v, group=shard.group, **kw)
+        else:  # mixed: no query rescaling, the local scores share the normalizer
+            phi_q, phi_k = core._features(q, k, None, normalize=False)
+            phi_q = core._global_queries(phi_q)
+            o = cp_mixed_attention(q, k, v, phi_q, phi_k, group=shard.group,
+                                   chunk_size=core.chunk_size, local="polynomial",
+                                   degree=core.degree, square=fm.square,
+                                   denominator_offset=core.denominator_offset)  # fmt: skip
+    return o.to(out_dtype)
+
+
+def shard_short_conv(conv, u: torch.Tensor, shard: SequenceShard, keep=None) -> torch.Tensor:
+    """``ShortConv`` on this shard's u (B, T_r, C) (module doc): the K − 1 inputs before the
+    shard from the previous ranks, taps that reach before the token's document start zeroed;
+    with ``keep`` (no packing) pads removed as ``ShortConv`` does (``cp_short_conv``)."""
+    if shard.cu_seqlens is None:
+        return cp_short_conv(u, conv.weight, conv.bias, group=shard.group, keep=keep)
+    k = conv.kernel_size
+    if shard.group is None:
+        tail = u.new_zeros(u.shape[0], k - 1, u.shape[2])
+    else:
+        tail = halo(u, k - 1, group=shard.group)
+    full = torch.cat([tail, u], dim=1)  # (B, K-1+T, C)
+    windows = full.unfold(1, k, 1)  # (B, T, C, K): taps u_{p-K+1..p}
+    back = torch.arange(k - 1, -1, -1, device=u.device)  # tap i reads K-1-i tokens back
+    visible = back <= shard.positions(u.device)[:, None]  # (T, K): inside p's document
+    w = conv.weight.to(u.dtype)[:, 0, :]  # (C, K)
+    y = (windows * visible[None, :, None, :].to(u.dtype) * w).sum(-1)
+    return F.silu(y + conv.bias.to(u.dtype))
