@@ -106,13 +106,13 @@ def test_chunked_flops_formula():
     )
 
 
-def test_bench_rejects_bad_options(tmp_path):
-    with pytest.raises(ValueError, match="chunk_size"):
-        cli.main(["bench", "--quick", "--out", str(tmp_path), "--chunk-size", "0"])
-    with pytest.raises(ValueError, match="lengths"):
-        cli.main(["bench", "--quick", "--out", str(tmp_path), "--lengths", "x"])
-    with pytest.raises(ValueError, match="max_memory_gb"):
-        cli.main(["bench", "--quick", "--out", str(tmp_path), "--max-memory-gb", "-1"])
+def test_bench_rejects_bad_options(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path), "--chunk-size", "0"]) == 2
+    assert "polysketch bench: error: chunk_size" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path), "--lengths", "x"]) == 2
+    assert "polysketch bench: error: lengths" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path), "--max-memory-gb", "-1"]) == 2
+    assert "polysketch bench: error: max_memory_gb" in capsys.readouterr().err
 
 
 def test_malloc_top_pad_is_set_on_glibc_and_reported(tmp_path, capsys):
@@ -144,8 +144,8 @@ def test_quick_bench_train_mode_bf16_times_forward_and_backward(tmp_path, capsys
     }  # no decode rows in train mode
     assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
     assert all(float(r["speedup_vs_sdpa"]) > 0 for r in rows if r["method"] != "sdpa")
-    with pytest.raises(ValueError, match="methods"):
-        cli.main(["bench", "--quick", "--methods", "flash", "--out", str(tmp_path)])
+    assert cli.main(["bench", "--quick", "--methods", "flash", "--out", str(tmp_path)]) == 2
+    assert "polysketch bench: error: methods" in capsys.readouterr().err
 
 
 def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
@@ -158,6 +158,15 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
     assert [r["attention"] for r in rows] == ["softmax", "psf_random", "psf_mixed"]
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert float(rows[0]["x_softmax"]) == 1.0
+    chosen = [*argv, "--attentions", "psf_random,soft_hash_1k", "--overwrite"]
+    assert cli.main(chosen) == 0
+    with (tmp_path / "model_results.csv").open() as fh:
+        assert [r["attention"] for r in csv.DictReader(fh)] == ["psf_random", "soft_hash_1k"]
+    assert cli.main([*chosen[:-3], "--attentions", "nope", "--overwrite"]) == 2
+    assert "polysketch bench: error: attentions" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--attentions", "psf_random", "--out", str(tmp_path),
+                     "--overwrite"]) == 2  # fmt: skip
+    assert "with --model or --decode only" in capsys.readouterr().err
     png = (tmp_path / "model_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -14,6 +14,7 @@ KEY_WORDS = {
     "psf_learned": ["learned_polysketch", "r = 32", "square", "nonnegative", "LayerNorm", "1 + Σ"],
     "psf_mixed": ["exact local polynomial degree 4", "psf_random", "r = 32", "1 + Σ"],
     "polynomial": ["degree 4", "LayerNorm", "1 + Σ", "quadratic"],
+    "soft_hash_1k": ["soft_hash", "1024", "temperature 4", "LayerNorm", "no offset", "1.9×"],
     "softmax": ["softmax", "1/sqrt(D)", "no q/k norm"],
     "sliding_window": ["last w keys", "window=w", "softmax", "1/sqrt(D)", "O(T·w)", "polynomial"],
 }
@@ -40,8 +41,9 @@ def test_each_preset_builds_and_describes_itself(name):
         assert layer.feature_map.name == settings["feature_map"]
         head = layer.feature_map.head_map(0)
         for key, value in settings["map_kwargs"].items():
-            assert getattr(head, key) == value, key
-        assert head.square
+            got = getattr(head, key)  # a learned temperature is exp(log τ): to rounding
+            assert got == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value)
+        assert head.square == name.startswith("psf_")  # the sketches are self-tensored
     y = layer(torch.randn(1, 6, 16))
     assert y.shape == (1, 6, 16) and torch.isfinite(y).all()
 
@@ -77,7 +79,7 @@ def test_map_families_are_derived_from_the_declarations():
     assert presets.SOFTMAX_TARGET_MAPS == set(available("softmax"))
     assert presets.SOFTMAX_MAPS == presets.SOFTMAX_TARGET_MAPS - {"hedgehog"}
     assert all(get_class(n).kind in ("unbiased", "exact") for n in presets.SOFTMAX_MAPS)
-    assert set(approx.POLYNOMIAL_MAPS) == presets.POLYNOMIAL_MAPS | {"elu", "taylor"}
+    assert set(approx.POLYNOMIAL_MAPS) == presets.POLYNOMIAL_MAPS | {"elu", "soft_hash", "taylor"}
     assert set(approx.SOFTMAX_MAPS) == presets.SOFTMAX_MAPS
     # the attention defaults follow the family: polynomial -> LayerNorm, offset 1
     for name in available():
@@ -85,3 +87,15 @@ def test_map_families_are_derived_from_the_declarations():
         polynomial = get_class(name).family == "polynomial"
         assert spec.qk_norm == polynomial and spec.denominator_offset == float(polynomial)
         assert ("scale" in spec.map_kwargs) == (get_class(name).family == "softmax")
+
+
+def test_soft_hash_preset_sets_the_screened_configuration():
+    # The configuration measured on the repeat probe (docs/results/long_context/screens/):
+    # soft_hash, F = 1024, τ from 4, LayerNorm on q/k, normalizer Σ, plain linear attention.
+    spec = resolve_attention("soft_hash_1k", 64, {})
+    assert (spec.algorithm, spec.feature_map, spec.qk_norm) == ("linear", "soft_hash", True)
+    assert spec.denominator_offset == 0.0
+    assert spec.map_kwargs == {"num_features": 1024, "temperature": 4.0}
+    layer = KernelAttention(128, 2, attention="soft_hash_1k")
+    assert layer.feature_map.feature_dim == 1024
+    assert layer.decode_state_size(5000) == 2 * 1024 * (64 + 1)

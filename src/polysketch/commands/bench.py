@@ -36,6 +36,7 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
+from ..nn import valid_attentions
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -94,6 +95,12 @@ def add_arguments(parser) -> None:
         "see polysketch.eval.bench.model",
     )  # fmt: skip
     parser.add_argument(
+        "--attentions", default=None, metavar="NAMES",
+        help="with --model or --decode: comma-separated attention= values to time side by "
+        "side (default: softmax,psf_random,psf_mixed for --model; the decode set for "
+        "--decode), e.g. psf_random,soft_hash_1k",
+    )  # fmt: skip
+    parser.add_argument(
         "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
         help="with --model: torch.compile the models (backend inductor when given alone)",
     )  # fmt: skip
@@ -116,11 +123,18 @@ def run_from_args(args) -> int:
     """Run the benchmark for parsed ``args``; print the report; write results.csv, bench.png
     (``--model``: model_results.csv, model_bench.png).
 
-    Bad options raise ``ValueError`` naming them (before anything runs); a device torch
-    cannot use here, a refused ``--out`` (non-empty without ``--overwrite``, a file,
-    unwritable) or a failed write return 2 with an ``error:`` line.
+    A bad option (checked before anything runs), a device torch cannot use here, a refused
+    ``--out`` (non-empty without ``--overwrite``, a file, unwritable) or a failed write return
+    2 with an ``error:`` line.
     """
-    config = None if args.decode else _model_config(args) if args.model else _config(args)
+    try:  # every option is checked before anything runs
+        config = None if args.decode else _model_config(args) if args.model else _config(args)
+        if args.attentions is not None:
+            if not (args.model or args.decode):
+                raise ValueError("attentions is taken with --model or --decode only")
+            parse_attentions(args.attentions)
+    except ValueError as err:
+        return fail("bench", err)
     try:
         check_device(args.device)
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
@@ -163,7 +177,8 @@ def _run_decode(args, out) -> int:
     positions = (256, 1024) if args.quick else (2048, 16384)
     if args.decode_positions:
         positions = parse_lengths(args.decode_positions)
-    config = DecodeBenchConfig(positions=positions, device=args.device, seed=args.seed,
+    extra = {} if args.attentions is None else {"attentions": parse_attentions(args.attentions)}
+    config = DecodeBenchConfig(positions=positions, device=args.device, seed=args.seed, **extra,
                                tokens=8 if args.quick else 32,
                                repeats=1 if args.quick else 3)  # fmt: skip
     rows = run_decode_benchmark(config)
@@ -186,6 +201,8 @@ def _model_config(args) -> ModelBenchConfig:
     )
     if args.lengths:
         config.contexts = parse_lengths(args.lengths)
+    if args.attentions is not None:
+        config.attentions = parse_attentions(args.attentions)
     if args.quick:
         config.contexts = config.contexts or (128, 256)
         config.n_layer, config.n_head, config.n_embd = 1, 2, 32
@@ -195,6 +212,16 @@ def _model_config(args) -> ModelBenchConfig:
     return config
 
 
+def parse_attentions(text: str) -> tuple[str, ...]:
+    """``--attentions`` "a,b,c" -> ("a", "b", "c"), each one of ``valid_attentions()``."""
+    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
+    if not names:
+        raise ValueError("attentions must name at least one attention, e.g. psf_random,softmax")
+    for name in names:
+        check_choice(name, "attentions", valid_attentions())
+    return names
+
+
 def _config(args) -> BenchConfig:
     """The ``BenchConfig`` of parsed ``args`` (ValueError naming a bad option)."""
     kw = dict(
@@ -202,7 +229,7 @@ def _config(args) -> BenchConfig:
         dtype=args.dtype,
         heads=check_positive_int(args.heads, "heads"),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-        max_memory_gb=args.max_memory_gb,
+        max_memory_gb=check_float(args.max_memory_gb, "max_memory_gb", minimum=0.0),
         threads=args.threads,
         chunk_size=check_positive_int(args.chunk_size, "chunk_size"),
         device=args.device,

@@ -21,6 +21,7 @@ from . import (  # noqa: E402,F401  (imported for registration)
     llops,
     polysketch,
     random_features,
+    soft_hash,
     tensorsketch,
 )
 from .base import (

@@ -25,6 +25,10 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   ``benchmarks/quality.py``; pass ``output_scale=1.0`` for the old behaviour.
 * ``polynomial`` — exact degree-4 polynomial attention with LayerNorm on q and k and
   normalizer 1 + Σ (Eq. 1; quadratic in T).
+* ``soft_hash_1k`` — ours (issue 21 §2, ``docs/results/long_context/screens/``): the
+  ``soft_hash`` map (softmax(τ·xW/√D) over F = 1024 learned buckets, τ learned from 4),
+  LayerNorm on q and k, normalizer Σ without offset, plain linear attention. The decode state
+  is 1024 × (E + 1) per head, 1.9× ``psf_random``'s pair layout.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
@@ -139,6 +143,21 @@ PRESETS: dict[str, dict] = {
             "qk_norm": True,
             "denominator_offset": 1.0,
             "degree": 4,
+        },
+    },
+    "soft_hash_1k": {
+        "description": (
+            "soft hashing for long context: soft_hash with F = 1024 learned buckets, initial "
+            "temperature 4 (learned), LayerNorm on q/k, normalizer Σ (no offset), linear "
+            "attention with a 1024 × (E + 1) state per head (1.9× psf_random's); the only "
+            "linear-time preset that learned to copy from 1024 tokens back on the repeat probe"
+        ),
+        "settings": {
+            "algorithm": "linear",
+            "feature_map": "soft_hash",
+            "map_kwargs": {"num_features": 1024, "temperature": 4.0},
+            "qk_norm": True,
+            "denominator_offset": 0.0,
         },
     },
     "softmax": {

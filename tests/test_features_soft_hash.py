@@ -1,0 +1,127 @@
+"""Soft hashing: φ(x) = softmax(τ·xW/√D) over F learned buckets; its kernel is its own,
+Σ_f P(x → f) P(y → f) (features/soft_hash.py, Eqs. 1–2)."""
+
+import math
+
+import pytest
+import torch
+
+from polysketch import features
+from polysketch.features.soft_hash import SoftHashFeatureMap
+from polysketch.ops import linear_attention, naive_linear_attention
+
+D = 8
+
+
+def _randomized(seed, **kwargs):
+    fm = SoftHashFeatureMap(D, num_features=6, seed=seed, **kwargs).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return fm
+
+
+def test_registered_sizes_and_declarations():
+    fm = features.create("soft_hash", D, num_features=5, seed=0)
+    assert isinstance(fm, SoftHashFeatureMap) and fm.name == "soft_hash"
+    assert fm.kind == "learned" and fm.family == "own" and fm.nonnegative and not fm.square
+    assert fm.feature_dim == fm.state_dim == 5
+    assert features.create("soft_hash", D, seed=0).feature_dim == 4 * D
+    x = torch.randn(2, 3, 7, D)
+    assert fm.query(x).shape == fm.key(x).shape == (2, 3, 7, 5)
+
+
+def test_features_match_the_naive_definition_and_lie_on_the_simplex():
+    fm = _randomized(1)
+    x = torch.randn(11, D, dtype=torch.float64) * 3
+    tau = fm.temperature
+    for feats, w in ((fm.query(x), fm.weight_q), (fm.key(x), fm.weight_k)):
+        u = x @ w * (tau / math.sqrt(D))
+        ref = torch.exp(u) / torch.exp(u).sum(-1, keepdim=True)
+        assert torch.allclose(feats, ref, rtol=1e-12, atol=0)
+        assert torch.allclose(feats.sum(-1), torch.ones(11, dtype=torch.float64), atol=1e-14)
+    assert not torch.allclose(fm.query(x), fm.key(x))  # separate W_q, W_k once trained apart
+    shared = _randomized(1, shared=True)
+    assert shared.weight_k is None and torch.equal(shared.query(x), shared.key(x))
+
+
+def test_scores_equal_the_target_kernel_and_lie_in_zero_one():
+    fm = _randomized(2)
+    x = torch.randn(3, 9, D, dtype=torch.float64) * 2
+    y = torch.randn(3, 5, D, dtype=torch.float64) * 2
+    s, t = fm.approx_kernel(x, y), fm.target_kernel(x, y)
+    assert t.shape == (3, 9, 5)
+    assert torch.allclose(s, t, rtol=1e-12, atol=1e-300)
+    assert bool((t > 0).all()) and bool((t <= 1).all())
+
+
+def test_a_sharp_map_retrieves_a_lone_key_without_a_one_over_t_floor():
+    # With a high temperature each x puts its mass on its best bucket: a query equal to a key
+    # whose bucket no other key uses keeps weight near 1 however many keys there are, while
+    # a kernel with a floor (every key adding ≈ c to the normalizer) would fall like 1/t.
+    g = torch.Generator().manual_seed(0)
+    f, t = 64, 48
+    w = torch.randn(D, f, generator=g, dtype=torch.float64)
+    fm = SoftHashFeatureMap(D, num_features=f, temperature=1e3, shared=True).double()
+    with torch.no_grad():
+        fm.weight_q.copy_(w)
+    keys = torch.randn(4 * t, D, generator=g, dtype=torch.float64)
+    buckets = fm.key(keys).argmax(-1)
+    lone = [i for i in range(keys.shape[0]) if int((buckets == buckets[i]).sum()) == 1]
+    assert lone, "no key alone in its bucket"
+    s = fm.approx_kernel(keys[lone[:1]], keys).detach()  # (1, 4t)
+    assert float(s[0, lone[0]] / s.sum()) > 0.99
+
+
+def test_temperature_is_learned_or_fixed():
+    fm = features.create("soft_hash", D, num_features=6, temperature=2.5, seed=0)
+    assert abs(fm.temperature - 2.5) < 1e-6
+    x = torch.randn(4, D)
+    fm.approx_kernel(x, x).sum().backward()
+    assert fm.log_temperature.grad is not None and fm.weight_q.grad is not None
+    assert fm.weight_k.grad is not None
+    fixed = features.create("soft_hash", D, learn_temperature=False, seed=0)
+    assert "log_temperature" in dict(fixed.named_buffers())
+    assert "log_temperature" not in dict(fixed.named_parameters())
+
+
+def test_seeded_draw_is_reproducible_and_q_k_start_equal():
+    a = features.create("soft_hash", D, seed=7)
+    b = features.create("soft_hash", D, seed=7)
+    c = features.create("soft_hash", D, seed=8)
+    assert torch.equal(a.weight_q, b.weight_q) and not torch.equal(a.weight_q, c.weight_q)
+    assert torch.equal(a.weight_q, a.weight_k)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"num_features": 1}, ValueError, "num_features"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"temperature": -1.0}, ValueError, "temperature"),
+        ({"shared": 1}, TypeError, "shared"),
+        ({"learn_temperature": "yes"}, TypeError, "learn_temperature"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        features.create("soft_hash", D, **kwargs)
+
+
+def test_linear_attention_with_the_map_equals_the_naive_reference():
+    fm = _randomized(3)
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 2, 37, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 2, 37, 5, generator=g, dtype=torch.float64)
+    params = list(fm.parameters())
+
+    def run(fn):
+        out = fn(fm.query(q), fm.key(k), v, causal=True)
+        grads = torch.autograd.grad((out * out).sum(), params)
+        return out, grads
+
+    (o1, g1), (o2, g2) = run(linear_attention), run(naive_linear_attention)
+    assert torch.allclose(o1, o2, rtol=1e-10, atol=0)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
