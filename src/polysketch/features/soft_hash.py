@@ -110,25 +110,25 @@ class SoftHashFeatureMap(FeatureMap):
         """τ = exp(log τ), the current temperature."""
         return float(self.log_temperature.detach().exp())
 
-    def _log_features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        """log φ(x) = log_softmax(τ · x W / √D): (..., D) -> (..., F)."""
+    def _logits(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+        """τ · x W / √D: (..., D) -> (..., F); W is scaled first (D×F, not T×F, products)."""
         w = self.weight_k if key and not self.shared else self.weight_q
-        tau = self.log_temperature.exp().to(x.dtype)
-        return ((x @ w.to(x.dtype)) * (tau / math.sqrt(self.dim))).log_softmax(-1)
+        scale = self.log_temperature.exp() / math.sqrt(self.dim)
+        return x @ (w * scale).to(x.dtype)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._log_features(x, False).exp()
+        return self._logits(x, False).softmax(-1)
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._log_features(x, True).exp()
+        return self._logits(x, True).softmax(-1)
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Σ_f P(x → f) P(y → f) (Eq. 2), in log space: (..., Tx, D), (..., Ty, D) ->
         (..., Tx, Ty)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
         y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
-        log_q = self._log_features(x, False).unsqueeze(-2)  # (..., Tx, 1, F)
-        log_k = self._log_features(y, True).unsqueeze(-3)  # (..., 1, Ty, F)
+        log_q = self._logits(x, False).log_softmax(-1).unsqueeze(-2)  # (..., Tx, 1, F)
+        log_k = self._logits(y, True).log_softmax(-1).unsqueeze(-3)  # (..., 1, Ty, F)
         return torch.logsumexp(log_q + log_k, dim=-1).exp()
 
     def extra_repr(self) -> str:
