@@ -7,8 +7,9 @@ rotate q, k, v themselves, update their cache, then call
         module, q (B, H, T, D), k (B, H_kv, Tk, D), v (B, H_kv, Tk, D), attention_mask,
         scaling=..., dropout=..., **kwargs)            ->  (B, T, H, D), weights or None
 
-``polysketch_attention_forward`` is registered there under ``ATTENTION_NAME`` (and the
-``sdpa`` mask builder under the same name, so padding reaches it). It reads the layer's
+``polysketch_attention_forward`` is registered there under ``ATTENTION_NAME`` by
+``policies.register`` (and the ``sdpa`` mask builder under the same name, so padding
+reaches it). It reads the layer's
 ``PolysketchAttention`` (``module.polysketch``, a submodule, hence in the ``state_dict``),
 translates the mask into key padding, repeats k, v over the query heads (GQA: H / H_kv
 times, as the model's own eager path does) and calls the one attention core of
@@ -47,9 +48,7 @@ import sys
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..._checks import check_int, check_positive_int
 from ...nn.core import AttentionCore
@@ -269,14 +268,3 @@ def _model_softmax(module: nn.Module):
         return eager(module, query, key, value, attention_mask, **kwargs)
 
     return softcapped
-
-
-def register() -> None:
-    """Register ``ATTENTION_NAME`` in transformers' attention and mask interfaces (idempotent)."""
-    from .policies import polysketch_mask
-
-    AttentionInterface.register(ATTENTION_NAME, polysketch_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, polysketch_mask)
-
-
-register()

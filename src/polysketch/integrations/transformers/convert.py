@@ -35,9 +35,9 @@ from torch import nn
 
 from ..._checks import check_int, check_positive_int
 from ...nn.presets import valid_attentions
-from .attention import ATTENTION_NAME, PolysketchAttention, register
+from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
-from .policies import check_policies, configured_window, install_cache_guards
+from .policies import check_policies, configured_window, install_cache_guards, register
 
 __all__ = [
     "FAMILIES",

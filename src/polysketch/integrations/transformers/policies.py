@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
     causal_mask_function,
     sdpa_mask,
     sliding_window_causal_mask_function,
 )
+
+from .attention import ATTENTION_NAME, polysketch_attention_forward
+from .cache import check_cache
 
 __all__ = [
     "SLIDING_WINDOW_POLICIES",
@@ -41,6 +46,7 @@ __all__ = [
     "configured_window",
     "install_cache_guards",
     "polysketch_mask",
+    "register",
 ]
 
 SLIDING_WINDOW_POLICIES = ("refuse", "full")
@@ -117,7 +123,6 @@ def install_cache_guards(model: nn.Module, modules: list[nn.Module]) -> None:
     """Refuse unsupported caches before anything is computed (``cache.check_cache``): a
     forward pre-hook on the model and on every attention module (a ``Cache`` among their
     arguments), replacing the ones an earlier ``convert`` installed."""
-    from .cache import check_cache
 
     def guard(core_of, layer_idx):
         def hook(module, args, kwargs):
@@ -137,3 +142,13 @@ def install_cache_guards(model: nn.Module, modules: list[nn.Module]) -> None:
         hook = guard(core_of, layer_idx)
         hook._polysketch_guard = True
         module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def register() -> None:
+    """Register ``ATTENTION_NAME`` in transformers' attention and mask interfaces
+    (``polysketch_attention_forward`` and ``polysketch_mask``; idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, polysketch_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, polysketch_mask)
+
+
+register()
