@@ -102,3 +102,20 @@ def test_step_and_kernel_attention_bad_input():
         kernel_attention(Q, K, V, fmap, causal=False, attn_mask=torch.zeros(5, 5))
     with pytest.raises(ValueError, match="k and v"):
         kernel_attention(Q, K, V[:, :3], fmap, causal=False)
+
+
+def test_a_lower_rank_key_mask_is_refused_even_when_batch_equals_heads():
+    # Issue 22 item 3: with B == H a (B, Tk) mask on (B, H, Tk, D) keys used to broadcast
+    # right-aligned as (H, Tk) and give a silently wrong output; it must name the fix.
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(2, 2, 5, 4, generator=g) for _ in range(2))
+    v = torch.randn(2, 2, 5, 3, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    for fn in (linear_attention, naive_linear_attention):
+        with pytest.raises(ValueError, match=r"leading rank 3.*mask\[:, None\]"):
+            fn(q, k, v, causal=True, key_padding_mask=mask)
+    want = naive_linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None])
+    got = linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    full = linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None].expand(2, 2, 5))
+    assert torch.allclose(full, got, rtol=0, atol=0)

@@ -79,11 +79,14 @@ def check_qkv(
 
 
 def check_key_padding_mask(mask, k: torch.Tensor, name: str = "key_padding_mask"):
-    """Check a boolean key mask broadcastable to ``k.shape[:-1]`` = (..., Tk); True = keep.
+    """Check a boolean key mask of the keys' leading rank, broadcastable to ``k.shape[:-1]`` =
+    (..., Tk); True = keep.
 
-    The convention is torch SDPA's boolean ``attn_mask``: True means the key takes part.
-    Broadcasting is right-aligned, so for k of shape (B, H, Tk, F) pass (B, 1, Tk).
-    Returns ``mask`` (or ``None``).
+    The convention is torch SDPA's boolean ``attn_mask``: True means the key takes part. The
+    mask must have as many dims as ``k.shape[:-1]`` (each of size 1 or the keys'): for k of
+    shape (B, H, Tk, F) pass (B, 1, Tk) or (B, H, Tk). A lower-rank mask is refused: a (B, Tk)
+    mask on (B, H, Tk, F) keys would broadcast right-aligned as (H, Tk), silently wrong when
+    B == H. Returns ``mask`` (or ``None``).
     """
     if mask is None:
         return None
@@ -96,7 +99,15 @@ def check_key_padding_mask(mask, k: torch.Tensor, name: str = "key_padding_mask"
             f"{name} must be on the device of the keys ({k.device}), got {mask.device}"
         )
     target = tuple(k.shape[:-1])
-    ok = mask.dim() >= 1 and mask.dim() <= len(target) and mask.shape[-1] == target[-1]
+    if mask.dim() < len(target):
+        fix = "mask[:, None]" if (mask.dim(), len(target)) == (2, 3) else "a mask with 1s added"
+        raise ValueError(
+            f"{name} must have the keys' leading rank {len(target)} (shape (..., Tk) with each "
+            f"dim 1 or the keys' {target}), got {tuple(mask.shape)}: a lower-rank mask would "
+            f"broadcast right-aligned (a (B, Tk) mask read as (H, Tk)); pass {fix}, e.g. "
+            f"(B, 1, Tk) for keys of shape (B, H, Tk, F)"
+        )
+    ok = mask.dim() == len(target) and mask.shape[-1] == target[-1]
     if ok:
         try:
             ok = tuple(torch.broadcast_shapes(mask.shape, target)) == target

@@ -80,7 +80,8 @@ def linear_attention(
         initial_state: ``LinearAttentionState`` of earlier keys (prefix of the sequence);
             they are visible to every query. ``None``: no earlier keys.
         return_state: also return the ``LinearAttentionState`` after all keys.
-        key_padding_mask: bool (..., Tk) broadcastable to phi_k.shape[:-1], True = keep.
+        key_padding_mask: bool, phi_k.shape[:-1]'s rank, each dim 1 or the keys' (e.g. (B, 1, Tk)
+            for (B, H, Tk, F) keys), True = keep; a lower rank is refused.
             Outputs of queries at padded positions are meaningless (ignore them).
         algorithm: causal backend: ``"chunked"`` (Theorem 3.1; ``"chunked_scan"`` on CPU,
             ``"chunked_blocks"`` on accelerators, ``"triton"`` only when switched on), one of

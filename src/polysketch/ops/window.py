@@ -92,7 +92,7 @@ def window_attention(
         kernel: ``"softmax"`` or ``"polynomial"``.
         scale: multiplies q·k (default 1/√D for softmax, 1 for polynomial).
         degree, denominator_offset, eps: of the polynomial kernel (unused by softmax).
-        key_padding_mask: bool (..., T) broadcastable to k.shape[:-1], True = keep.
+        key_padding_mask: bool of k.shape[:-1]'s rank (e.g. (B, 1, T)), True = keep.
 
     Returns (..., T, E) in the dtype of q. Block b = min(w, T): query block n attends key
     blocks n−1 and n, scores (..., N, b, 2b): 2·T·b entries, never T×T.
