@@ -170,6 +170,12 @@ def test_parse_attention_and_best_rows():
         {"attention": "a", "accuracy": 0.7, "val_loss": 1.5, "lr": 3},
     ]
     assert [(r["attention"], r["lr"]) for r in best_rows(rows)] == [("a", 3), ("b", 1)]
+    # the core's options (mixed attention with any map, its learned balance, the window)
+    # configure the model, not the feature map
+    assert parse_attention("soft_hash_1k:mixed=True,learn_balance=True,num_features=64") == (
+        "soft_hash_1k", {"mixed": True, "learn_balance": True}, {"num_features": 64}
+    )  # fmt: skip
+    assert parse_attention("sliding_window:window=8") == ("sliding_window", {"window": 8}, {})
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,9 @@ LONG_ATTENTIONS = (
 )
 """``--setting long`` / ``long512``'s default attentions."""
 
-MODEL_KEYS = ("qk_dim", "short_conv", "chunk_size", "qk_norm", "rope")
+MODEL_KEYS = (
+    "qk_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed", "learn_balance", "window",
+)  # fmt: skip
 """Keys of an attention spec that configure the model rather than the feature map."""
 
 COLUMNS = (
