@@ -158,8 +158,9 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
     assert [r["attention"] for r in rows] == ["softmax", "psf_random", "psf_mixed"]
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert float(rows[0]["x_softmax"]) == 1.0
-    chosen = [*argv, "--attentions", "psf_random,soft_hash_1k", "--overwrite"]
+    chosen = [*argv, "--threads", "1", "--attentions", "psf_random,soft_hash_1k", "--overwrite"]
     assert cli.main(chosen) == 0
+    assert "(1 threads)" in capsys.readouterr().out  # the count measured with, not restored
     with (tmp_path / "model_results.csv").open() as fh:
         assert [r["attention"] for r in csv.DictReader(fh)] == ["psf_random", "soft_hash_1k"]
     assert cli.main([*chosen[:-3], "--attentions", "nope", "--overwrite"]) == 2

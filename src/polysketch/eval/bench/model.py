@@ -108,6 +108,7 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
     device = torch.device(cfg.device)
     previous = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    threads = torch.get_num_threads()  # what the rows were measured with (restored after)
     rows: list[dict] = []
     bar = tqdm(
         total=len(cfg.attentions) * len(cfg.contexts), desc="bench --model",
@@ -163,7 +164,7 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
     for r in rows:
         if r["status"] == "ok" and r["T"] in soft:
             r["x_softmax"] = r["tokens_per_s"] / soft[r["T"]]
-    return {"rows": rows, "config": cfg}
+    return {"rows": rows, "config": cfg, "threads": threads}
 
 
 _COLUMNS = {
@@ -179,7 +180,8 @@ def format_model_report(result: dict) -> str:
     """The table of ``run_model_benchmark``'s rows with the model and settings."""
     cfg = result["config"]
     lines = [
-        f"TransformerLM training steps on {cfg.device} ({torch.get_num_threads()} threads): "
+        f"TransformerLM training steps on {cfg.device} "
+        f"({result.get('threads', torch.get_num_threads())} threads): "
         f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {cfg.chunk_size}, "
         f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}",
         "",
