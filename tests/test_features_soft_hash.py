@@ -125,3 +125,19 @@ def test_linear_attention_with_the_map_equals_the_naive_reference():
     assert torch.allclose(o1, o2, rtol=1e-10, atol=0)
     for a, b in zip(g1, g2, strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_output_scale_multiplies_the_scores_by_its_square_and_seeds_the_learned_balance():
+    fm = _randomized(5)
+    scaled = _randomized(5, output_scale=3.0)
+    x = torch.randn(4, D, dtype=torch.float64)
+    assert torch.allclose(scaled.approx_kernel(x, x), 9 * fm.approx_kernel(x, x), rtol=1e-12)
+    assert torch.allclose(scaled.target_kernel(x, x), scaled.approx_kernel(x, x), rtol=1e-12)
+    with pytest.raises(ValueError, match="output_scale"):
+        features.create("soft_hash", D, output_scale=0.0)
+    from polysketch.nn import KernelAttention
+
+    layer = KernelAttention(16, 2, attention="soft_hash", mixed=True, learn_balance=True,
+                            chunk_size=4, num_features=8, output_scale=10.0)  # fmt: skip
+    assert torch.allclose(layer.log_balance, torch.full((2,), 2 * math.log(10.0)))
+    assert layer.feature_map.head_map(0).output_scale == 1.0  # moved into the balance

@@ -55,6 +55,10 @@ class SoftHashFeatureMap(FeatureMap):
         temperature: τ's initial value, > 0 (default 4).
         learn_temperature: τ is trained (a parameter) or fixed (a buffer).
         shared: one W for queries and keys (a symmetric kernel); default separate W_q, W_k.
+        output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
+            Normalized linear attention does not depend on it; in mixed attention
+            (``mixed=True``) it weighs the far blocks against the exact local ones, and with
+            ``learn_balance=True`` it becomes the learned balance's start (β₀ = 2 ln c).
         seed, generator: the Gaussian draw of W.
     """
 
@@ -66,6 +70,7 @@ class SoftHashFeatureMap(FeatureMap):
         "temperature": Hyperparameter(4.0, "initial τ > 0 of softmax(τ·xW/√D)"),
         "learn_temperature": Hyperparameter(True, "τ is a parameter (else a buffer)"),
         "shared": Hyperparameter(False, "one W for queries and keys"),
+        "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features (scores × c²)"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -78,6 +83,7 @@ class SoftHashFeatureMap(FeatureMap):
         temperature: float = 4.0,
         learn_temperature: bool = True,
         shared: bool = False,
+        output_scale: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -92,6 +98,9 @@ class SoftHashFeatureMap(FeatureMap):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.shared = shared
+        self.output_scale = check_float(
+            output_scale, "output_scale", minimum=0.0, strict_minimum=True
+        )
         w = gaussian(self.dim, self.num_features, generator=make_generator(seed, generator))
         self.weight_q = nn.Parameter(w.float().clone())
         self.weight_k = None if shared else nn.Parameter(w.float().clone())
@@ -117,19 +126,19 @@ class SoftHashFeatureMap(FeatureMap):
         return x @ (w * scale).to(x.dtype)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._logits(x, False).softmax(-1)
+        return self._logits(x, False).softmax(-1) * self.output_scale
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._logits(x, True).softmax(-1)
+        return self._logits(x, True).softmax(-1) * self.output_scale
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Σ_f P(x → f) P(y → f) (Eq. 2), in log space: (..., Tx, D), (..., Ty, D) ->
-        (..., Tx, Ty)."""
+        """c² Σ_f P(x → f) P(y → f) (Eq. 2 × output_scale²), in log space:
+        (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
         y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
         log_q = self._logits(x, False).log_softmax(-1).unsqueeze(-2)  # (..., Tx, 1, F)
         log_k = self._logits(y, True).log_softmax(-1).unsqueeze(-3)  # (..., 1, Ty, F)
-        return torch.logsumexp(log_q + log_k, dim=-1).exp()
+        return torch.logsumexp(log_q + log_k, dim=-1).exp() * self.output_scale**2
 
     def extra_repr(self) -> str:
         return (
