@@ -57,7 +57,8 @@ class _Cache:
         self._select_state(index)
 
     def _select_state(self, index: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Keep rows ``index`` of the attention's own state; each cache class defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define _select_state (its state's rows)")
 
 
 class RecurrentCache(_Cache):
