@@ -58,7 +58,7 @@ class _Cache:
 
     def _select_state(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` of the attention's own state; each cache class defines it."""
-        raise NotImplementedError(f"{type(self).__name__} must define _select_state (its state's rows)")
+        raise NotImplementedError(f"{type(self).__name__} must define _select_state")
 
 
 class RecurrentCache(_Cache):
