@@ -85,9 +85,18 @@ def setup(device: str | torch.device | None = None) -> DistContext:
     return DistContext(rank, world_size, local_rank, dev, owns)
 
 
-def teardown(ctx: DistContext) -> None:
-    """Destroy the process group if ``setup`` created it."""
+def teardown(ctx: DistContext, *, finished: bool = False) -> None:
+    """Destroy the process group if ``setup`` created it.
+
+    ``finished=True`` (every rank got to the end) first waits at a barrier, so that no rank tears
+    its gloo/NCCL connections down while another is still saving or reducing: a rank leaving
+    early could abort (SIGABRT, "terminate called without an active exception") in the gloo
+    threads at exit. After an exception there is no barrier, since the other ranks may never
+    reach it.
+    """
     if ctx.owns_group and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

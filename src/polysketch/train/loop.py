@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import gc
 import json
 import math
 import time
@@ -179,6 +180,8 @@ def train(
     block_size = cfg.block_size or model_config.block_size
 
     ctx = distributed.setup(cfg.device)
+    finished = False
+    model = None
     try:
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
@@ -248,9 +251,13 @@ def train(
                         save_checkpoint(ckpt_path, state)
         bar.close()
         history["model"] = run.model
+        finished = True
         return history
     finally:
-        distributed.teardown(ctx)
+        if ctx.distributed:  # the DDP reducer holds the group: free it now, not at interpreter exit
+            model = None
+            gc.collect()
+        distributed.teardown(ctx, finished=finished)
 
 
 def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
