@@ -280,3 +280,38 @@ def test_compiled_attention_checks_without_graph_break():
     q, k, v = qkv(8.0, 8.0)
     with pytest.raises(RuntimeError, match="underflows"):
         compiled(q, k, v)
+
+
+# ----- one decoding step of a symmetric map: query and key rows in one call ---------------------
+@pytest.mark.parametrize("name", features.available())
+def test_symmetric_maps_have_one_function_for_every_role(name):
+    fm = build(name)
+    x = on_sphere(1.5, 3, D, seed=5)
+    if fm.symmetric:  # the claim decoding relies on: φq = φk = the stabilized φq
+        torch.testing.assert_close(fm.key(x), fm.query(x), rtol=0, atol=0)
+        torch.testing.assert_close(fm.query_stabilized(x), fm.query(x), rtol=0, atol=0)
+    assert features.create("polysketch", D).symmetric
+    assert not features.create("hedgehog", D).symmetric  # own query and key weights
+    assert not features.create("positive", D).symmetric  # a stabilized query form
+
+
+@pytest.mark.parametrize("normalize,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+def test_one_token_joint_features_equal_the_separate_calls(normalize, offset):
+    mh = MultiHeadFeatureMap("polysketch", D, 3, seed=1, nonnegative=True)
+    assert mh.symmetric
+    q, k = on_sphere(2.0, 2, 3, 1, D, seed=7), on_sphere(2.0, 2, 3, 1, D, seed=8)
+    sums = torch.rand(2, 3, mh.feature_dim)
+    phi_q, phi_k = attention_features(mh, q, k, causal=True, eps=1e-6, normalize=normalize,
+                                      denominator_offset=offset, initial_sums=sums)  # fmt: skip
+    torch.testing.assert_close(phi_q, mh.query(q), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(phi_k, mh.key(k), rtol=1e-6, atol=1e-7)
+
+
+def test_one_token_joint_check_still_names_the_overflowing_side():
+    mh = MultiHeadFeatureMap("polysketch", D, 2, seed=1)
+    big = torch.full((1, 2, 1, D), 1000.0).half()
+    small = torch.full((1, 2, 1, D), 0.01).half()
+    with pytest.raises(ValueError, match="query features.*float16"):
+        attention_features(mh, big, small, causal=True, eps=1e-6)
+    with pytest.raises(ValueError, match="key features.*float16"):
+        attention_features(mh, small, big, causal=True, eps=1e-6)

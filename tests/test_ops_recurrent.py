@@ -12,7 +12,7 @@ from polysketch.ops import (
     naive_linear_attention,
     pair_to_dense_state,
 )
-from polysketch.ops.pairs import compress
+from polysketch.ops.pairs import PairFeatures, compress
 
 F64 = torch.float64
 
@@ -188,3 +188,12 @@ def test_one_token_step_is_one_fused_update_matching_naive(square, monkeypatch):
     assert state.length == 12 and state.numerator.shape == whole.numerator.shape
     assert rel_err(state.numerator, whole.numerator) <= 1e-12
     assert rel_err(state.denominator, whole.denominator) <= 1e-12
+
+
+def test_cached_pair_features_are_built_once_per_size_dtype_and_device():
+    x = torch.randn(2, 6)
+    a, b = PairFeatures.cached(6, x), PairFeatures.cached(6, x)
+    assert a is b
+    assert PairFeatures.cached(6, x.double()) is not a
+    torch.testing.assert_close(a.omega, PairFeatures(6, x).omega, rtol=0, atol=0)
+    torch.testing.assert_close(a.queries(x), PairFeatures(6, x).queries(x), rtol=0, atol=0)

@@ -92,3 +92,11 @@ def test_largest_64_bit_seed_is_accepted():
     g = random.make_generator(2**64 - 1)
     assert g.initial_seed() == 2**64 - 1
     assert random.check_seed(0) == 0
+
+
+def test_as_dtype_returns_the_tensor_itself_or_a_converted_copy():
+    x = torch.randn(3, requires_grad=True)
+    assert _checks.as_dtype(x, torch.float32) is x
+    y = _checks.as_dtype(x, torch.float64)
+    assert y.dtype == torch.float64 and y.grad_fn is not None
+    torch.testing.assert_close(y, x.double())

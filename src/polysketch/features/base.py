@@ -194,6 +194,18 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
         """F, the last dimension of ``query(x)`` and ``key(x)``."""
 
     @property
+    def symmetric(self) -> bool:
+        """Whether ``query``, ``key`` and ``query_stabilized`` are one function (φq = φk):
+        the class defines only ``_features``. Decoding then computes the new token's query
+        and key features in one call (``features.stability.attention_features``)."""
+        cls = type(self)
+        return (
+            cls._query is FeatureMap._query
+            and cls._key is FeatureMap._key
+            and cls._query_stabilized is FeatureMap._query_stabilized
+        )
+
+    @property
     def state_dim(self) -> int:
         """F', the size of the decoding state per value dim: F(⌊F/2⌋+1) when ``square`` (the
         symmetric pair layout of ``polysketch.ops.pairs``, about half of F²), else F."""

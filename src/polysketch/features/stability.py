@@ -121,33 +121,54 @@ def _normalizers(phi_q, phi_k, *, causal, key_padding_mask, initial_sums):
     return den, visible
 
 
-@torch.no_grad()
-def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_mask,
-           initial_sums, asynchronous) -> None:  # fmt: skip
-    dtype, name = phi_q.dtype, _label(feature_map)
-    advice = range_advice(feature_map, dtype)
-    stable = getattr(feature_map, "stable_query", False)
+def _query_overflow(feature_map, dtype, stabilized) -> str:
     hint = ""
-    if stable and not stabilized:
+    if getattr(feature_map, "stable_query", False) and not stabilized:
         hint = (
             "with denominator_offset != 0 or normalize=False a query row cannot be rescaled "
             "exactly (denominator_offset=0 with normalize=True would stabilize them); "
         )
-    refuse_unless(
-        _rows_ok(phi_q, None),
-        f"query features of feature map {name} overflow {dtype} (or q holds NaN/Inf): "
-        f"{hint}{advice}",
-        asynchronous=asynchronous,
+    return (
+        f"query features of feature map {_label(feature_map)} overflow {dtype} (or q holds "
+        f"NaN/Inf): {hint}{range_advice(feature_map, dtype)}"
     )
-    keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
-    refuse_unless(
-        _rows_ok(phi_k, keep),
-        f"key features of feature map {name} overflow {dtype} (or k holds NaN/Inf); keys cannot "
-        f"be rescaled exactly (a per-key factor reweights them): {advice}",
-        asynchronous=asynchronous,
+
+
+def _key_overflow(feature_map, dtype) -> str:
+    return (
+        f"key features of feature map {_label(feature_map)} overflow {dtype} (or k holds "
+        "NaN/Inf); keys cannot be rescaled exactly (a per-key factor reweights them): "
+        f"{range_advice(feature_map, dtype)}"
     )
-    if not stable or feature_map.square:
+
+
+@torch.no_grad()
+def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_mask,
+           initial_sums, asynchronous, joint=None) -> None:  # fmt: skip
+    """Rules 2 and 3 of the module docstring. ``joint``: φq and φk concatenated along T (one
+    decoding step of a symmetric map, no key mask), checked at once; the messages are built
+    only on the way to a refusal (on the CPU)."""
+    dtype = phi_q.dtype
+    if asynchronous is None:
+        asynchronous = phi_q.device.type != "cpu" or torch.compiler.is_compiling()
+    all_finite = (
+        joint is not None
+        and not asynchronous
+        and key_padding_mask is None
+        and bool(torch.isfinite(joint).all())
+    )  # rule 2 holds for both; otherwise each is checked to name the culprit
+    if not all_finite:
+        ok_q = _rows_ok(phi_q, None)
+        if asynchronous or not bool(ok_q.all()):
+            refuse_unless(ok_q, _query_overflow(feature_map, dtype, stabilized),
+                          asynchronous=asynchronous)  # fmt: skip
+        keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
+        ok_k = _rows_ok(phi_k, keep)
+        if asynchronous or not bool(ok_k.all()):
+            refuse_unless(ok_k, _key_overflow(feature_map, dtype), asynchronous=asynchronous)
+    if not getattr(feature_map, "stable_query", False) or feature_map.square:
         return
+    name, advice = _label(feature_map), range_advice(feature_map, dtype)
     den, visible = _normalizers(
         phi_q, phi_k, causal=causal, key_padding_mask=key_padding_mask, initial_sums=initial_sums
     )
@@ -202,10 +223,17 @@ def attention_features(
     offset = check_float(denominator_offset, "denominator_offset")
     eps = check_float(eps, "eps", minimum=0.0)
     stabilized = bool(normalize) and offset == 0.0
-    phi_q = feature_map.query_stabilized(q) if stabilized else feature_map.query(q)
-    phi_k = feature_map.key(k)
+    joint = None
+    if getattr(feature_map, "symmetric", False) and q.shape[-2] == k.shape[-2] == 1:
+        # one decoding step of a map with φq = φk: both rows in one call
+        joint = feature_map.key(torch.cat([q, k], dim=-2))
+        phi_q, phi_k = joint[..., :1, :], joint[..., 1:, :]
+    else:
+        phi_q = feature_map.query_stabilized(q) if stabilized else feature_map.query(q)
+        phi_k = feature_map.key(k)
     _check(
         feature_map, phi_q, phi_k, stabilized=stabilized, causal=causal, eps=eps,
         key_padding_mask=key_padding_mask, initial_sums=initial_sums, asynchronous=asynchronous,
+        joint=joint,
     )  # fmt: skip
     return phi_q, phi_k

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import check_int, check_positive_int
+from .._checks import as_dtype, check_int, check_positive_int
 from ..features import get_class
 from ..features.stability import attention_features
 from ..ops import (
@@ -243,9 +243,9 @@ class AttentionCore(nn.Module):
         autocast = torch.is_autocast_enabled(device)
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             od = dispatch.operand_dtype(work, q.device)  # half stays half on accelerators
-            q, k, v = q.to(od), k.to(od), v.to(od)
+            q, k, v = as_dtype(q, od), as_dtype(k, od), as_dtype(v, od)
             o = self._attend(q, k, v, keep, cache)
-        return o.to(out_dtype)
+        return as_dtype(o, out_dtype)
 
     def _attend(self, q, k, v, keep, cache) -> torch.Tensor:
         """The algorithm on (B, H, T, ·) tensors in the operand dtype (module docstring)."""

@@ -30,7 +30,7 @@ import hashlib
 import torch
 from torch import nn
 
-from .._checks import check_int, check_positive_int, check_tensor, compute_dtype
+from .._checks import as_dtype, check_int, check_positive_int, check_tensor, compute_dtype
 from ..features import create, get_class
 from ..features.base import FeatureMap
 from ..random import check_seed, make_generator
@@ -87,7 +87,8 @@ class MultiHeadFeatureMap(nn.Module):
     Attributes (from the head maps, which share them): ``feature_dim`` F, ``square``,
     ``state_dim`` (F² if square else F), ``nonnegative``, ``kind``, ``is_random``, ``family``,
     ``stable_query`` (``query_stabilized`` rescales query rows; see ``features.stability``
-    for when attention may use it); ``vectorized`` (False for the loop fallback);
+    for when attention may use it); ``symmetric`` (query = key = query_stabilized);
+    ``vectorized`` (False for the loop fallback);
     ``use_batched`` (True: the batched-heads form of ``nn.heads_batched`` where the map has
     one; set False to force the vmapped path, e.g. to compare them).
     """
@@ -128,6 +129,7 @@ class MultiHeadFeatureMap(nn.Module):
         self.is_random = first.is_random
         self.family = first.family
         self.stable_query = first.stable_query
+        self.symmetric = first.symmetric
         self.scale = getattr(first, "scale", None)  # for the range checks' advice
         probe_key = (name, repr(sorted(map_kwargs.items())), self.head_dim)
         if probe_key not in _VMAP_OK:
@@ -194,9 +196,9 @@ class MultiHeadFeatureMap(nn.Module):
                     f"x is on {x.device} but feature map {self.name!r} holds its tensors on "
                     f"{ref.device}: move the map (.to({str(x.device)!r})) or the input"
                 )
-            work = x.to(compute_dtype(x.dtype))
+            work = as_dtype(x, compute_dtype(x.dtype))
             out = self._batched(template.map, params, buffers, work, role, self._memo)
-            return out.to(x.dtype)
+            return as_dtype(out, x.dtype)
 
         def one_head(p, b, xh):
             return torch.func.functional_call(template, (p, b), (xh,), {"role": role})

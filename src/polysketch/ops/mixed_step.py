@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_positive_int, compute_dtype
+from .._checks import as_dtype, check_positive_int, compute_dtype
 from .mixed import _local_kernel, _validate, _with_ones, mixed_attention
 from .naive import DEFAULT_EPS, stabilize_denominator
 from .pairs import PairFeatures, key_state, state_dim
@@ -118,17 +118,18 @@ def _one(q, k, v, phi_q, phi_k, state, *, chunk_size, local, degree, square,
         for buf, x in ((state.k, k), (state.phi_k, phi_k), (state.v, v))
     )
     acc = compute_dtype(q.dtype)
-    z = (q.to(acc) @ bk.to(acc).transpose(-1, -2)) * scale  # (..., 1, n)
-    num = _local_kernel(z, local, degree) @ _with_ones(bv.to(acc))  # (..., 1, E+1)
+    z = (as_dtype(q, acc) @ as_dtype(bk, acc).transpose(-1, -2)) * scale  # (..., 1, n)
+    num = _local_kernel(z, local, degree) @ _with_ones(as_dtype(bv, acc))  # (..., 1, E+1)
     if state.summary is not None:
-        fq = phi_q.to(acc)
-        num = num + (PairFeatures(fq.shape[-1], fq).queries(fq) if square else fq) @ state.summary
+        fq = as_dtype(phi_q, acc)
+        fq = PairFeatures.cached(fq.shape[-1], fq).queries(fq) if square else fq
+        num = num + fq @ state.summary
     out = num[..., :-1] / stabilize_denominator(num[..., -1:] + denominator_offset, eps)
     length = state.length + 1
     if bk.shape[-2] == chunk_size:  # the block is complete: fold it
         summary = _fold(state.summary, bf, bv, square=square)
-        return out.to(q.dtype), MixedAttentionState(summary, None, None, None, length)
-    return out.to(q.dtype), MixedAttentionState(state.summary, bk, bf, bv, length)
+        return as_dtype(out, q.dtype), MixedAttentionState(summary, None, None, None, length)
+    return as_dtype(out, q.dtype), MixedAttentionState(state.summary, bk, bf, bv, length)
 
 
 def _check_state(state, q, v, phi_q, *, chunk_size, square):

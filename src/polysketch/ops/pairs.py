@@ -35,6 +35,9 @@ def state_dim(f: int, square: bool) -> int:
     return pair_dim(f) if square else f
 
 
+_CACHED: dict = {}  # (F, dtype, device) -> PairFeatures, for ``PairFeatures.cached``
+
+
 class PairFeatures:
     """ψ (keys) and ω ⊙ ψ (queries) for F features; see the module docstring.
 
@@ -60,6 +63,16 @@ class PairFeatures:
         fwd, back = (cols - rows) % f, (rows - cols) % f
         inverse = torch.where(fwd <= self.half, rows * width + fwd, cols * width + back)
         return a * f + g, g * f + a, inverse
+
+    @classmethod
+    def cached(cls, f: int, like: torch.Tensor) -> PairFeatures:
+        """The ``PairFeatures(f, like)`` kept for (F, dtype, device): decoding builds ω once,
+        not at every token. Not for use under ``torch.compile`` tracing (build one there)."""
+        key = (f, like.dtype, like.device)
+        pairs = _CACHED.get(key)
+        if pairs is None:
+            pairs = _CACHED.setdefault(key, cls(f, like))
+        return pairs
 
     @property
     def dim(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import compute_dtype
+from .._checks import as_dtype, compute_dtype
 from ._validate import check_bool, check_key_padding_mask, check_offset_eps, check_qkv
 from .dispatch import decode_backend
 from .kernel import linear_attention
@@ -73,22 +73,16 @@ def linear_attention_step(
     if fused is not None:
         num, den, n1, z1 = fused.triton_decode_step(phi_q, phi_k, v, *init, square=square)
     else:
-        num, den, n1, z1 = _step(phi_q.to(acc), phi_k.to(acc), v.to(acc), *init, square=square,
-                                 keep=key_padding_mask)  # fmt: skip
+        q, k, v1 = (as_dtype(x, acc) for x in (phi_q, phi_k, v))
+        num, den, n1, z1 = _step(q, k, v1, *init, square=square, keep=key_padding_mask)
     out = num / stabilize_denominator(den.unsqueeze(-1) + offset, eps) if normalize else num
-    return out.to(phi_q.dtype), LinearAttentionState(n1, z1, length)
-
-
-_PAIRS: dict = {}  # (F, dtype, device) -> PairFeatures: decoding builds ω once, not per token
+    return as_dtype(out, phi_q.dtype), LinearAttentionState(n1, z1, length)
 
 
 def _step(q, k, v, n, z, *, square, keep):
     """num (..., 1, E), den (..., 1), N', Z' of the module docstring for one token."""
     if square:
-        key = (q.shape[-1], q.dtype, q.device)
-        pairs = _PAIRS.get(key)
-        if pairs is None:
-            pairs = _PAIRS.setdefault(key, PairFeatures(q.shape[-1], q))
+        pairs = PairFeatures.cached(q.shape[-1], q)
         qf, kf = pairs.features(torch.cat([q, k], dim=-2)).unbind(-2)  # ψ(q), ψ(k): (..., F')
         qf, kf = (qf * pairs.omega).unsqueeze(-2), kf.unsqueeze(-2)  # (..., 1, F')
     else:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import as_dtype
 from .pairs import compress, expand, state_dim
 
 __all__ = ["LinearAttentionState", "unpack_state", "dense_to_pair_state", "pair_to_dense_state"]
@@ -140,5 +141,5 @@ def unpack_state(
             )
         if t.device != device:
             raise ValueError(f"{name}.{part} must be on device {device}, got {t.device}")
-    den = state.denominator.to(dtype) if with_denominator else None
-    return state.numerator.to(dtype), den
+    den = as_dtype(state.denominator, dtype) if with_denominator else None
+    return as_dtype(state.numerator, dtype), den
