@@ -142,7 +142,6 @@ def _key_overflow(feature_map, dtype) -> str:
     )
 
 
-@torch.no_grad()
 def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_mask,
            initial_sums, asynchronous, joint=None) -> None:  # fmt: skip
     """Rules 2 and 3 of the module docstring. ``joint``: φq and φk concatenated along T (one
@@ -169,9 +168,11 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
     if not getattr(feature_map, "stable_query", False) or feature_map.square:
         return
     name, advice = _label(feature_map), range_advice(feature_map, dtype)
-    den, visible = _normalizers(
-        phi_q, phi_k, causal=causal, key_padding_mask=key_padding_mask, initial_sums=initial_sums
-    )
+    with torch.no_grad():  # a check, not part of the computation
+        den, visible = _normalizers(
+            phi_q, phi_k, causal=causal, key_padding_mask=key_padding_mask,
+            initial_sums=initial_sums,
+        )  # fmt: skip
     refuse_unless(
         torch.isfinite(den) | ~visible,
         f"the attention scores of feature map {name} overflow (the normalizer Σ_j φq·φk is not "

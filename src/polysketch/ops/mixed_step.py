@@ -102,6 +102,8 @@ def mixed_attention_step(
         out = mixed_attention(q, k, v, phi_q, phi_k, **kw)
         return out, mixed_attention_state(k, phi_k, v, chunk_size=chunk_size, square=square)
     _check_state(state, q, v, phi_q, chunk_size=chunk_size, square=square)
+    if q.shape[-2] == 1:
+        return _one(q, k, v, phi_q, phi_k, state, **kw)
     outs = []
     for i in range(q.shape[-2]):
         one = (x[..., i : i + 1, :] for x in (q, k, v, phi_q, phi_k))

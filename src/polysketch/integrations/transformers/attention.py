@@ -116,7 +116,9 @@ class PolysketchAttention(AttentionCore):
         self.drop_softcap = False  # convert(..., softcap="drop"): logit soft-capping dropped
         self.transfer = False  # attention-transfer mode (see the module docstring)
         self.transfer_loss: torch.Tensor | None = None
-        self._active_cache = None  # set by PolysketchCacheLayer.update, consumed by forward
+        # one slot that PolysketchCacheLayer.update fills and the attention function empties
+        # (a list, so handing the cache over is no nn.Module.__setattr__ at every token)
+        self._active_cache: list = [None]
 
     @property
     def uses_state_cache(self) -> bool:
@@ -206,7 +208,7 @@ def polysketch_attention_forward(
             f"{type(module).__name__} has no polysketch attention: call "
             "polysketch.integrations.transformers.convert(model) first"
         )
-    layer_cache, core._active_cache = core._active_cache, None
+    layer_cache, core._active_cache[0] = core._active_cache[0], None
     softmax_needed = core.algorithm == "softmax" or (core.transfer and torch.is_grad_enabled())
     softcap = kwargs.get("softcap")
     if softcap is not None and core.algorithm != "softmax" and not core.drop_softcap:

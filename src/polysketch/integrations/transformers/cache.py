@@ -3,8 +3,8 @@
 A transformers attention module calls ``past_key_values.update(k, v, layer_idx)`` just before
 its attention function and attends to what it returns. ``PolysketchCacheLayer.update`` keeps
 no keys or values: it returns the new k, v unchanged and hands its state to the layer's
-``PolysketchAttention`` (``core._active_cache``), which the attention function consumes at
-once; the state is
+``PolysketchAttention`` (the slot ``core._active_cache[0]``), which the attention function
+consumes at once; the state is
 
 * linear attention: ``polysketch.nn.cache.RecurrentCache`` — N = Σ φk⊗v, Z = Σ φk
   (``LinearAttentionState``, F'·(D + 1) floats per head, F' = F(⌊F/2⌋+1) for square maps);
@@ -67,7 +67,7 @@ class PolysketchCacheLayer(CacheLayerMixin):
         """Hand the state to the attention function; return the new k, v (nothing is stored)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.core._active_cache = self
+        self.core._active_cache[0] = self
         return key_states, value_states
 
     def get_seq_length(self) -> int:
