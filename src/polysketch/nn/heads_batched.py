@@ -82,17 +82,17 @@ def _composed(memo, buffers, w_leaf, w_node, p, count):
     if torch.compiler.is_compiling() or torch.is_grad_enabled():  # nothing kept: compose
         composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)
         return composed, composed[:, :p].transpose(1, 2).reshape(h, d, p * r)
-    src = (buffers["map.leaf_gaussian"], buffers["map.node_gaussian"])
+    leaf, node = buffers["map.leaf_gaussian"], buffers["map.node_gaussian"]
     key = (w_leaf.dtype, p, torch.is_inference_mode_enabled())
     hit = memo.get(key)
-    if hit is not None and all(
-        a is b and a._version == v for a, (b, v) in zip(src, hit[0], strict=True)
-    ):
-        return hit[1]
+    if hit is not None:
+        (a, va), (b, vb) = hit[0]
+        if a is leaf and b is node and a._version == va and b._version == vb:
+            return hit[1]
     composed = w_leaf @ w_node[:, :count].reshape(h, 2 * count, r, r)  # (H, L, D, r)
     real = composed[:, :p].transpose(1, 2).reshape(h, d, p * r)
     memo.clear()
-    memo[key] = (tuple((t, t._version) for t in src), (composed, real))
+    memo[key] = (((leaf, leaf._version), (node, node._version)), (composed, real))
     return composed, real
 
 
