@@ -151,6 +151,17 @@ BATCHED = [
     ("polysketch", {"projection": "product", "degree": 3}),
     ("hedgehog", {}),
     ("hedgehog", {"shared": True, "num_features": 5, "output_scale": 2.0}),
+    ("soft_hash", {"num_features": 12}),
+    (
+        "soft_hash",
+        {
+            "num_features": 6,
+            "shared": True,
+            "learn_temperature": False,
+            "temperature": 2.0,
+            "output_scale": 3.0,
+        },
+    ),
 ]
 
 

@@ -10,7 +10,8 @@ the map's own code:
 
 * ``polysketch`` with ``projection="gaussian"`` (the tree of Ahle et al., any degree; the
   psf presets) or ``"product"``: ``PolySketch._sketch`` with a head axis;
-* ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale.
+* ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale;
+* ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale.
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
 as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
@@ -30,6 +31,7 @@ from .._checks import as_dtype
 from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
 from ..features.polysketch import PolySketch
+from ..features.soft_hash import SoftHashFeatureMap
 
 __all__ = ["batched_form"]
 
@@ -106,6 +108,18 @@ def _hedgehog(template: HedgehogFeatureMap, params, buffers, x, role, memo):
     return phi * template.output_scale
 
 
+def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
+    """softmax(x (τ_h W_h / √D)) · c with W_h = the key weights for keys (unless shared)."""
+    which = "k" if role == "key" and not template.shared else "q"
+    weight = params[f"map.weight_{which}"]  # (H, D, F)
+    log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
+    if log_t is None:
+        log_t = buffers["map.log_temperature"]
+    scale = log_t.exp() / math.sqrt(template.dim)
+    logits = x @ as_dtype(weight * scale[:, None, None], x.dtype)  # (..., H, T, D) @ (H, D, F)
+    return logits.softmax(-1) * template.output_scale
+
+
 def batched_form(feature_map: FeatureMap) -> Callable | None:
     """The batched-heads function for ``feature_map``'s kind and settings, or None."""
     plain_query = type(feature_map)._query_stabilized is FeatureMap._query_stabilized
@@ -115,4 +129,6 @@ def batched_form(feature_map: FeatureMap) -> Callable | None:
         return _polysketch
     if type(feature_map) is HedgehogFeatureMap:
         return _hedgehog
+    if type(feature_map) is SoftHashFeatureMap:
+        return _soft_hash
     return None
