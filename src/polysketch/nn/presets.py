@@ -11,10 +11,14 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   Ahle et al. with r = 32 (``polysketch``, degree=2, num_features=32,
   projection="gaussian"), self-tensored (``nonnegative=True`` → square → degree 4, Eq. 2,
   Thm 2.5), normalizer 1 + Σ, block lower-triangular algorithm (Thm 3.1) with the layer's
-  ``chunk_size`` as block b (the paper uses b = 256).
+  ``chunk_size`` as block b (the paper uses b = 256). Long context (issue 21,
+  ``docs/results/long_context/``): learns no copy from 1024 back on the repeat probe (drop
+  0.000 at 300 steps); keeps 0.006 of the weight on an exactly matching key among 4k (the
+  sketch's floor, ∝ 1/t).
 * ``psf_learned`` — the learned sketch (``learned_polysketch``: two branches of
   LayerNorm→Linear→GELU→Linear blocks, r = 32, expansion 8, 2 levels; square, non-negative),
-  LayerNorm on q and k, normalizer 1 + Σ.
+  LayerNorm on q and k, normalizer 1 + Σ. Long context: 0.001 of the weight on an exact
+  match among 4k keys (fitted map); the copy probe was not run.
 * ``psf_mixed`` — exact degree-4 polynomial scores inside each block of ``chunk_size`` and
   the ``psf_random`` sketch for all earlier blocks, one shared normalizer 1 + Σ
   (``polysketch.ops.mixed_attention``, the public code's "random_sketch_mixed"), with the
@@ -22,18 +26,25 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   ``num_features``), so the sketched earlier blocks weigh r² less than the exact local
   block. At our unbiased scale the sketch's floor (‖q‖⁴‖k‖⁴/r per key, ``docs/quality_gap.md``)
   summed over the earlier blocks drowned the local block: 2.040 vs 1.989 (softmax 1.995) in
-  ``benchmarks/quality.py``; pass ``output_scale=1.0`` for the old behaviour.
+  ``benchmarks/quality.py``; pass ``output_scale=1.0`` for the old behaviour. Long context:
+  exact within its block, nothing past it at the probe's budget (copy drop 0.000).
 * ``polynomial`` — exact degree-4 polynomial attention with LayerNorm on q and k and
-  normalizer 1 + Σ (Eq. 1; quadratic in T).
+  normalizer 1 + Σ (Eq. 1; quadratic in T). Long context: learns the copy (drop 3.23 at 300
+  steps, softmax 3.20 at 200); 0.25 of the weight on an exact match among 4k keys.
 * ``soft_hash_1k`` — ours (issue 21 §2, ``docs/results/long_context/screens/``): the
   ``soft_hash`` map (softmax(τ·xW/√D) over F = 1024 learned buckets, τ learned from 4),
   LayerNorm on q and k, normalizer Σ without offset, plain linear attention. The decode state
-  is 1024 × (E + 1) per head, 1.9× ``psf_random``'s pair layout.
+  is 1024 × (E + 1) per head, 1.9× ``psf_random``'s pair layout. Long context: the one
+  linear-time preset that learns the copy from 1024 back (0.67× softmax's drop at 400 steps,
+  a perfect copy at 600); 0.045 of the weight on an exact match among 4k keys at init; its
+  loss on natural text at context 2048 is 1.22× softmax's after 300 steps (like
+  ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
   ``kernel="polynomial"`` (exact (q·k)^degree, LayerNorm on q/k, 1 + Σ); O(T·w) by blocks
-  (``polysketch.ops.window_attention``), decoded from the last w keys.
+  (``polysketch.ops.window_attention``), decoded from the last w keys. Long context: none
+  past the window, by design.
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
