@@ -305,6 +305,18 @@ def test_one_token_joint_features_equal_the_separate_calls(normalize, offset):
                                       denominator_offset=offset, initial_sums=sums)  # fmt: skip
     torch.testing.assert_close(phi_q, mh.query(q), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(phi_k, mh.key(k), rtol=1e-6, atol=1e-7)
+    # gradients through the joint call equal those of the separate calls (decoding with grad)
+    q, k = (x.double().requires_grad_() for x in (q, k))
+    mh = mh.double()
+    g = torch.Generator().manual_seed(9)
+    wq, wk = (torch.randn(2, 3, 1, mh.feature_dim, generator=g, dtype=torch.float64)
+              for _ in range(2))  # fmt: skip
+    a_q, a_k = attention_features(mh, q, k, causal=True, eps=1e-6, normalize=normalize,
+                                  denominator_offset=offset)  # fmt: skip
+    g_joint = torch.autograd.grad((a_q * wq).sum() + (a_k * wk).sum(), (q, k))
+    g_apart = torch.autograd.grad((mh.query(q) * wq).sum() + (mh.key(k) * wk).sum(), (q, k))
+    for a, b in zip(g_joint, g_apart, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_one_token_joint_check_still_names_the_overflowing_side():

@@ -225,7 +225,7 @@ def attention_features(
     eps = check_float(eps, "eps", minimum=0.0)
     stabilized = bool(normalize) and offset == 0.0
     joint = None
-    if getattr(feature_map, "symmetric", False) and q.shape[-2] == k.shape[-2] == 1:
+    if getattr(feature_map, "symmetric", False) and q.shape == k.shape and q.shape[-2] == 1:
         # one decoding step of a map with φq = φk: both rows in one call
         joint = feature_map.key(torch.cat([q, k], dim=-2))
         phi_q, phi_k = joint[..., :1, :], joint[..., 1:, :]
