@@ -64,3 +64,19 @@ def test_cli_bench_decode(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "decode ms/token" in printed and "hedgehog" in printed and "P=32" in printed
     assert (out / "decode_results.csv").stat().st_size > 0
+
+
+def test_decode_step_benchmark_prints_every_case_against_sdpa(capsys):
+    """``benchmarks/decode_step.py`` (on ``sys.path`` for tests): a tiny run prints one row per
+    case with its ratio to SDPA; bad counts are refused."""
+    import decode_step
+
+    argv = ["--attentions", "psf_random", "psf_mixed", "--position", "16", "--rounds", "1",
+            "--calls", "2"]  # fmt: skip
+    assert decode_step.main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("sdpa", "psf_random", "psf_mixed"):
+        assert f"\n{name} " in out
+    assert out.count("x sdpa") == 3
+    with pytest.raises(SystemExit):
+        decode_step.main(["--rounds", "0"])
