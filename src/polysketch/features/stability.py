@@ -162,10 +162,7 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
     if asynchronous is None:
         asynchronous = phi_q.device.type != "cpu" or torch.compiler.is_compiling()
     all_finite = (
-        joint is not None
-        and not asynchronous
-        and key_padding_mask is None
-        and _all_finite(joint)
+        joint is not None and not asynchronous and key_padding_mask is None and _all_finite(joint)
     )  # rule 2 holds for both; otherwise each is checked to name the culprit
     if not all_finite:
         ok_q = _rows_ok(phi_q, None)
