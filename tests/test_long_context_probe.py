@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from experiments.long_context.ablation import has_global_part, zero_global_part
 from experiments.long_context.positions import (
     bucket_edges,
     bucket_losses,
@@ -15,10 +14,9 @@ from experiments.long_context.positions import (
 from experiments.long_context.repeat_probe import probe_model, split_losses, token_losses
 from torch import nn
 
-from conftest import seeded
 from polysketch.data.repeat import RepeatConfig, make_repeat
-from polysketch.nn import KernelAttention, TransformerConfig, TransformerLM
-from polysketch.ops import polynomial_attention
+from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn.ablate import ablate_global, global_parts
 
 
 class CopyOracle(nn.Module):
@@ -70,49 +68,18 @@ def test_probe_scores_a_copying_model_on_the_right_positions():
     assert abs(uniform["drop"]) < 1e-6 and abs(uniform["cf_drop"]) < 1e-6
 
 
-def _mixed_layer():
-    return KernelAttention(16, 2, attention="psf_mixed", chunk_size=4, rope=False, seed=1)
-
-
-def test_zero_global_part_leaves_exactly_the_block_local_attention():
-    layer = _mixed_layer().double()
-    x = torch.randn(2, 13, 16, generator=seeded(0), dtype=torch.float64)
-    seen = {}
-    core = layer._attend
-
-    def record(q, k, v, *args):
-        out = core(q, k, v, *args)
-        seen.setdefault("calls", []).append((q, k, v, out))
-        return out
-
-    layer._attend = record
-    with torch.no_grad():
-        full = layer(x)
-        with zero_global_part(layer):
-            ablated = layer(x)
-        restored = layer(x)
-    del layer.__dict__["_attend"]
-    assert torch.equal(full, restored) and not torch.allclose(full, ablated)
-    q, k, v, out = seen["calls"][1]
-    expected = torch.cat(
-        [polynomial_attention(q[..., s : s + 4, :], k[..., s : s + 4, :], v[..., s : s + 4, :],
-                              degree=4, causal=True, denominator_offset=1.0)
-         for s in range(0, 13, 4)], dim=-2,
-    )  # fmt: skip
-    assert float((out - expected).abs().max() / expected.abs().max()) <= 1e-10
-    # the first block has no earlier blocks: its outputs are the full attention's
-    assert torch.allclose(seen["calls"][0][3][..., :4, :], out[..., :4, :], rtol=1e-12)
-
-
 def test_ablation_is_refused_without_a_global_part():
     model = TransformerLM(TransformerConfig(n_layer=1, n_head=2, n_embd=16, attention="softmax"))
-    assert not has_global_part(model)
+    assert not global_parts(model)
     with pytest.raises(ValueError, match="global part"):
-        with zero_global_part(model):
+        with ablate_global(model):
             pass
     mixed = TransformerLM(TransformerConfig(n_layer=2, n_head=2, n_embd=16, chunk_size=4,
                                             attention="psf_mixed"))  # fmt: skip
-    assert has_global_part(mixed)
+    assert len(global_parts(mixed)) == 2
+    local = TransformerLM(TransformerConfig(n_layer=2, n_head=2, n_embd=16, local_window=4,
+                                            attention="psf_random"))  # fmt: skip
+    assert global_parts(local) == list(local.blocks)
 
 
 def test_bucket_losses_and_edges():

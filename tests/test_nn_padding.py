@@ -118,6 +118,7 @@ V = 23
         ("softmax", {}),
         ("hedgehog", {"mixed": True}),
         ("sliding_window", {"window": 4}),
+        ("psf_random", {"local_window": 3}),
     ],  # fmt: skip
 )
 def test_left_padded_generate_equals_each_row_alone(attention, kw):

@@ -32,9 +32,13 @@ def test_causality_bit_identical(attention):
 GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive", "psf_mixed"]
 
 
-@pytest.mark.parametrize("attention", GEN + ["psf_learned"])
-def test_greedy_generate_equals_full_forward_argmax(attention):
-    model = _model(attention).double()
+@pytest.mark.parametrize(
+    "attention,kw",
+    [(a, {}) for a in GEN + ["psf_learned"]]
+    + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})],
+)
+def test_greedy_generate_equals_full_forward_argmax(attention, kw):
+    model = _model(attention, **kw).double()
     prompt = torch.randint(0, V, (2, 6))
     out = model.generate(prompt, 9, temperature=0.0)
     seq = prompt
@@ -150,3 +154,46 @@ def test_bad_configs_name_the_field():
         model.generate(torch.zeros(1, 3, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1.0)
+
+
+# ----- a sliding-window branch beside the attention (local_window) -----------------------------
+def test_local_window_block_sums_two_branches_and_ablation_keeps_the_window():
+    from polysketch.nn import ablate_global
+
+    model = _model("psf_random", local_window=3).double()
+    block = model.blocks[0]
+    assert block.local_attn.algorithm == "window" and block.local_attn.window == 3
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    h = block.ln_1(x)
+    mid = x + block.attn(h) + block.local_attn(h)
+    got = block(x)
+    torch.testing.assert_close(got, mid + block.ffn(block.ln_2(mid)))
+    # the local branch is exact softmax over the last 3 keys (its own projections and RoPE)
+    la = block.local_attn
+    q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in la.qkv(h).split(16, dim=-1))
+    q, k = la.rotary.rotate(q, k, offset=0)
+    i = torch.arange(11)
+    near = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)
+    o = ((q @ k.transpose(-1, -2)) / 8**0.5).masked_fill(~near, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(la(h), la.out_proj(o.transpose(1, 2).flatten(2)))
+    with ablate_global(model):
+        ablated = block(x)
+        ref = x + block.local_attn(h)
+        torch.testing.assert_close(ablated, ref + block.ffn(block.ln_2(ref)))
+    torch.testing.assert_close(block(x), got)
+    assert model.decode_state_size(100) == sum(
+        b.attn.decode_state_size(100) + b.local_attn.decode_state_size(100) for b in model.blocks
+    )
+
+
+def test_local_window_configs_and_refusals():
+    with pytest.raises(ValueError, match="local_window"):
+        TransformerLM(TransformerConfig(attention="psf_random", local_window=0))
+    with pytest.raises(ValueError, match="local_window"):
+        TransformerLM(TransformerConfig(attention="softmax", local_window=4))
+    model = _model("psf_random", local_window=3)
+    idx = torch.randint(0, V, (1, 12))
+    with pytest.raises(ValueError, match="sliding_window"):  # no packed op for the window
+        model(idx, cu_seqlens=[0, 5, 12])
+    with pytest.raises(TypeError, match="ParallelCache"):
+        model(idx, caches=[b.attn.new_cache() for b in model.blocks])

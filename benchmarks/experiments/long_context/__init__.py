@@ -7,7 +7,8 @@ One concept per module:
   ``inputs`` the q/k (LayerNorm'd Gaussians, captured heads, near queries),
   ``retrieval_table`` runs the table, ``retrieval_report`` writes it; ``retrieval_cli``.
 - ``repeat_probe``: loss on a passage's recurrence vs its first occurrence, counterfactual,
-  and ``ablation`` (zeroing a mixed attention's global part); ``probe_training`` trains the
+  and the ablation (``polysketch.nn.ablate_global``: a mixed attention's far blocks or the
+  global branch beside a local window switched off); ``probe_training`` trains the
   probed models with ``polysketch.train.train``; ``repeat_cli``.
 - ``positions``: loss by position bucket on long documents, extrapolation; ``positions_cli``.
 - ``mqar_cli``: long-range MQAR through ``polysketch.eval.mqar_sweep``'s long settings.

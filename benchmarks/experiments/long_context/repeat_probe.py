@@ -10,9 +10,10 @@ Two controls make the drop mean "uses far context":
 
 * counterfactual: the same windows with each first occurrence replaced by other text; the
   recurrence is then new text, so its drop (``cf_drop``) must vanish;
-* ablation (attentions with a separate global part, ``ablation.zero_global_part``): the
-  recurrence's loss with the far blocks switched off; for d ≥ the block size the copy can
-  only come through them, so ``ablated_drop`` must fall to about ``cf_drop``.
+* ablation (attentions with a separate global part, ``polysketch.nn.ablate_global``: mixed
+  attention's far blocks, or the global branch beside a ``local_window``): the recurrence's
+  loss with that part switched off; for d ≥ the block size (or window) the copy can only
+  come through it, so ``ablated_drop`` must fall to about ``cf_drop``.
 
 ``token_losses`` evaluates in batches without gradients; ``split_losses`` averages over the
 masks; ``probe_model`` returns every number of a table row.
@@ -24,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from polysketch.data.repeat import RepeatSet
-
-from .ablation import has_global_part, zero_global_part
+from polysketch.nn.ablate import ablate_global, global_parts
 
 __all__ = ["token_losses", "split_losses", "probe_model", "PROBE_COLUMNS"]
 
@@ -84,8 +84,8 @@ def probe_model(model, factual: RepeatSet, counterfactual: RepeatSet, *, batch: 
         lc, counterfactual.first_mask, counterfactual.second_mask
     )
     row["ablated_second"] = row["ablated_drop"] = ""
-    if has_global_part(model):
-        with zero_global_part(model):
+    if global_parts(model):
+        with ablate_global(model):
             la = token_losses(model, factual.inputs, factual.targets, batch=batch)
         _, row["ablated_second"], row["ablated_drop"] = split_losses(
             la, factual.first_mask, factual.second_mask

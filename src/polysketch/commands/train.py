@@ -124,6 +124,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--short-conv", type=int, default=0, metavar="K",
         help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
     )  # fmt: skip
+    model.add_argument(
+        "--local-window", type=int, default=None, metavar="W",
+        help="add an exact sliding-window softmax branch over the last W tokens beside the "
+        "attention in every layer (its own projections and normalizer; BASED's local + global)",
+    )  # fmt: skip
 
     opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
@@ -204,6 +209,7 @@ def _configs_from_args(args):
         rope=not args.no_rope,
         qk_dim=args.qk_dim,
         short_conv=args.short_conv,
+        local_window=args.local_window,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()

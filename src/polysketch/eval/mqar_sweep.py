@@ -132,6 +132,7 @@ LONG_ATTENTIONS = (
 
 MODEL_KEYS = (
     "qk_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed", "learn_balance", "window",
+    "local_window",
 )  # fmt: skip
 """Keys of an attention spec that configure the model rather than the feature map."""
 

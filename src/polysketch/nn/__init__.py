@@ -4,14 +4,15 @@
   by ``KernelAttention`` and the transformers adapter: presets, precision policy, caches.
 - ``KernelAttention``: batch-first multi-head self-attention with any polysketch kernel
   (feature maps, exact softmax / polynomial, PolySketchFormer presets, sliding window).
-- ``TransformerConfig`` / ``TransformerLM``: a small decoder-only LM with decoding caches.
+- ``TransformerConfig`` / ``TransformerLM``: a small decoder-only LM with decoding caches
+  (``local_window``: an exact sliding-window branch beside each layer's attention).
 - ``PRESETS``: the PolySketchFormer presets (name -> description and settings).
 - ``MultiHeadFeatureMap``: independent per-head feature maps applied with ``torch.vmap``.
 """
 
 from .ablate import ablate_global
 from .attention import KernelAttention
-from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
+from .cache import KVCache, MixedCache, ParallelCache, RecurrentCache, WindowCache
 from .core import AttentionCore
 from .heads import MultiHeadFeatureMap, head_seed
 from .presets import PRESETS, valid_attentions
@@ -28,6 +29,7 @@ __all__ = [
     "RotaryEmbedding",
     "KVCache",
     "MixedCache",
+    "ParallelCache",
     "RecurrentCache",
     "WindowCache",
     "ablate_global",

@@ -9,8 +9,10 @@ including the layers of a converted transformers model) uses φq = 0 for the ear
     out_i = Σ_{j∈blk(i), j≤i} κ_ij v_j / (offset + Σ_{j∈blk(i), j≤i} κ_ij):
 
 block-local exact attention alone (forward and decoding). If that raises a model's loss on
-a recurrence, the model used what lay beyond its block. Sliding-window cores have no global
-part (nothing to do); leaving the ``with`` restores every core.
+a recurrence, the model used what lay beyond its block. A ``TransformerLM`` block with a
+sliding-window branch beside its attention (``TransformerConfig.local_window``) drops its
+global branch instead: the block's attention is then the exact local window alone. Sliding-
+window cores have no global part (nothing to do); leaving the ``with`` restores every part.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 
 from torch import nn
 
-__all__ = ["ablate_global", "global_cores"]
+__all__ = ["ablate_global", "global_cores", "global_parts"]
 
 
 def global_cores(model: nn.Module) -> list:
@@ -29,18 +31,27 @@ def global_cores(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, AttentionCore) and m.algorithm == "mixed"]
 
 
+def global_parts(model: nn.Module) -> list:
+    """What ``ablate_global`` switches off: the mixed cores of ``model`` and its blocks with a
+    sliding-window branch (``local_attn``) beside a global attention."""
+    blocks = [m for m in model.modules() if getattr(m, "local_attn", None) is not None]
+    return global_cores(model) + blocks
+
+
 @contextlib.contextmanager
 def ablate_global(model: nn.Module):
-    """Within the block, every mixed core of ``model`` drops its far-block scores.
+    """Within the block, every mixed core of ``model`` drops its far-block scores, and every
+    block with a sliding-window branch its global branch (module docstring).
 
-    Raises ValueError if ``model`` has no mixed attention (nothing would be ablated: linear
-    attention is all global, softmax and polynomial have no separate global part).
+    Raises ValueError if ``model`` has neither (nothing would be ablated: linear attention is
+    all global, softmax and polynomial have no separate global part).
     """
-    cores = global_cores(model)
+    cores = global_parts(model)
     if not cores:
         raise ValueError(
-            "model has no attention with a separate global part (no mixed attention: "
-            "psf_mixed or mixed=True); ablate_global is defined for those only"
+            "model has no attention with a separate global part (no mixed attention, "
+            "psf_mixed or mixed=True, and no local_window branch); ablate_global is defined "
+            "for those only"
         )
     before = [core.global_ablated for core in cores]
     try:

@@ -14,6 +14,8 @@
   ``nn.padding``) keep one state each.
 * ``WindowCache`` (``sliding_window``): the keys and values of the last w real tokens of
   each row, H·(D + E)·min(t, w) floats.
+* ``ParallelCache``: a block with a sliding-window branch beside its attention
+  (``TransformerConfig.local_window``) keeps one cache per branch.
 
 Every cache counts ``length``, the time steps consumed (padded ones included), holds
 ``conv_tail``, the last K - 1 projections of a layer with a short convolution
@@ -31,7 +33,7 @@ import torch
 from ..ops import LinearAttentionState
 from ..ops.mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
 
-__all__ = ["RecurrentCache", "KVCache", "MixedCache", "WindowCache", "LayerCache"]
+__all__ = ["RecurrentCache", "KVCache", "MixedCache", "WindowCache", "ParallelCache", "LayerCache"]
 
 
 def _numel(t: torch.Tensor | None) -> int:
@@ -265,4 +267,26 @@ class WindowCache(_Cache):
         self.k, self.v, self.keep = (_rows(t, index) for t in (self.k, self.v, self.keep))
 
 
-LayerCache = RecurrentCache | KVCache | MixedCache | WindowCache
+class ParallelCache:
+    """The decode cache of a block with two parallel attention branches
+    (``TransformerConfig.local_window``): ``far``, the cache of the block's attention, and
+    ``local``, the ``WindowCache`` of its sliding-window branch. Each branch fills its own;
+    ``length``, ``num_floats`` and ``select_rows`` cover both."""
+
+    def __init__(self, far, local: WindowCache) -> None:
+        self.far, self.local = far, local
+
+    @property
+    def length(self) -> int:
+        return self.far.length
+
+    def num_floats(self) -> int:
+        return self.far.num_floats() + self.local.num_floats()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (B',) int64 of the batch in both branches (beam search)."""
+        self.far.select_rows(index)
+        self.local.select_rows(index)
+
+
+LayerCache = RecurrentCache | KVCache | MixedCache | WindowCache | ParallelCache

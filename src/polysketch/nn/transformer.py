@@ -29,6 +29,7 @@ from torch import nn
 from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
+from .cache import ParallelCache
 from .sharding import check_core_on_shard, make_shard
 from .warm_start import set_exact_attention as _set_exact_attention
 
@@ -58,6 +59,7 @@ class TransformerConfig:
     mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
     learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
     window: int | None = None  # attention="sliding_window": keys each query sees
+    local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
 
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -80,6 +82,13 @@ class TransformerConfig:
             raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
         if self.window is not None:
             check_positive_int(self.window, "window")
+        if self.local_window is not None:
+            check_positive_int(self.local_window, "local_window")
+            if self.attention in ("softmax", "sliding_window"):
+                raise ValueError(
+                    f"local_window adds a sliding-window branch beside a linear-time attention; "
+                    f"attention={self.attention!r} already sees the local keys exactly"
+                )
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
@@ -106,7 +115,19 @@ class GLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + Attn(LN(x)), then + GLU(LN(x))."""
+    """Pre-norm block: x + Attn(LN(x)), then + GLU(LN(x)).
+
+    With ``config.local_window = w`` the attention has two parallel branches on the same
+    LN(x), each with its own q/k/v/output projections and its own normalizer, and their
+    outputs are summed: ``Attn(h) = Global(h) + Local(h)``, Global the configured attention
+    over all earlier tokens, Local exact softmax attention (scale 1/√D, RoPE) over the last w
+    tokens (``attention="sliding_window"``). This is BASED's design of a linear global part
+    beside an exact local window (Arora et al. 2024), in one layer: the local branch models
+    the next token from its neighbours, and the global branch's normalizer is not shared
+    with the local scores, so they cannot drown its far-context weights (the shared
+    normalizer of ``mixed`` attention did: ``docs/results/long_context/screens/``). The
+    decode cache of such a layer is a ``polysketch.nn.cache.ParallelCache``.
+    """
 
     def __init__(self, config: TransformerConfig, layer_index: int):
         super().__init__()
@@ -128,14 +149,51 @@ class Block(nn.Module):
             window=config.window,
             **config.map_kwargs,
         )
+        self.local_attn = None
+        if config.local_window is not None:
+            self.local_attn = KernelAttention(
+                config.n_embd,
+                config.n_head,
+                attention="sliding_window",
+                window=config.local_window,
+                causal=True,
+                rope=config.rope,
+                chunk_size=config.chunk_size,
+                seed=config.seed,
+                layer_index=layer_index,
+            )
+        self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
 
+    def cores(self) -> tuple:
+        """The block's attention modules: (attn,) or (attn, local_attn)."""
+        return (self.attn,) if self.local_attn is None else (self.attn, self.local_attn)
+
+    def new_cache(self):
+        """The layer's empty decode cache (a ``ParallelCache`` with a local branch)."""
+        if self.local_attn is None:
+            return self.attn.new_cache()
+        return ParallelCache(self.attn.new_cache(), self.local_attn.new_cache())
+
+    def decode_state_size(self, seq_len: int) -> int:
+        """Floats of the layer's decode cache per sequence after ``seq_len`` tokens."""
+        local = 0 if self.local_attn is None else self.local_attn.decode_state_size(seq_len)
+        return self.attn.decode_state_size(seq_len) + local
+
     def forward(self, x, *, key_padding_mask=None, cache=None, shard=None):
-        x = x + self.dropout(
-            self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, cache=cache, shard=shard)
-        )
+        h = self.ln_1(x)
+        if self.local_attn is None:
+            a = self.attn(h, key_padding_mask=key_padding_mask, cache=cache, shard=shard)
+        else:
+            if cache is not None and not isinstance(cache, ParallelCache):
+                raise TypeError("cache must be a ParallelCache (from new_caches())")
+            far, near = (None, None) if cache is None else (cache.far, cache.local)
+            a = self.local_attn(h, key_padding_mask=key_padding_mask, cache=near, shard=shard)
+            g = self.attn(h, key_padding_mask=key_padding_mask, cache=far, shard=shard)
+            a = a if self.global_ablated else a + g  # the far cache advances either way
+        x = x + self.dropout(a)
         return x + self.ffn(self.ln_2(x))
 
 
@@ -263,8 +321,8 @@ class TransformerLM(nn.Module):
                 )
             shard = make_shard(idx.shape[1], group=cp_group, cu_seqlens=cu_seqlens, keep=keep,
                                device=idx.device)  # fmt: skip
-            for block in self.blocks:  # refuse before any collective of the layers
-                check_core_on_shard(block.attn, shard)
+            for core in (c for block in self.blocks for c in block.cores()):
+                check_core_on_shard(core, shard)  # refuse before any collective of the layers
         if targets is not None:
             targets = self._check_targets(targets, idx)
         if caches is not None and len(caches) != len(self.blocks):
@@ -283,7 +341,7 @@ class TransformerLM(nn.Module):
 
     def new_caches(self) -> list:
         """One empty decode cache per layer."""
-        return [block.attn.new_cache() for block in self.blocks]
+        return [block.new_cache() for block in self.blocks]
 
     # ----- generation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -359,7 +417,7 @@ class TransformerLM(nn.Module):
 
     def decode_state_size(self, seq_len: int) -> int:
         """Floats held per sequence by all layers' decode caches after ``seq_len`` tokens."""
-        return sum(block.attn.decode_state_size(seq_len) for block in self.blocks)
+        return sum(block.decode_state_size(seq_len) for block in self.blocks)
 
     def set_exact_attention(self, exact: bool) -> int:
         """Warm start: exact polynomial attention (True) or the sketch (False) in every

@@ -86,7 +86,8 @@ def check_cp_model(model_config, cp: int, *, pack: bool = False) -> None:
     group = CPGroup(None, 0, cp) if cp > 1 else None
     probe = SequenceShard(group, 0, 0, 0, (0, 0) if pack else None)
     for block in TransformerLM(model_config).blocks:
-        check_core_on_shard(block.attn, probe)
+        for core in block.cores():
+            check_core_on_shard(core, probe)
 
 
 def make_layout(ctx: DistContext, *, cp: int = 1, fsdp: bool = False) -> Layout:
