@@ -223,3 +223,14 @@ def test_train_help_lists_options(capsys):
     out = capsys.readouterr().out
     for flag in ("--corpus", "--task", "--attention", "--amp", "--resume", "--map-kw", "--device"):
         assert flag in out
+
+
+def test_train_takes_a_model_preset(tmp_path, capsys):
+    out = tmp_path / "local"
+    assert main(["train", "--attention", "soft_hash_local", "--steps", "2", "--out", str(out),
+                 *TINY]) == 0  # fmt: skip
+    assert "attention=soft_hash_local" in capsys.readouterr().out
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["model_config"]["attention"] == "soft_hash_local"
+    assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "ab",
+                 "--max-new-tokens", "3"]) == 0  # fmt: skip

@@ -197,3 +197,23 @@ def test_local_window_configs_and_refusals():
         model(idx, cu_seqlens=[0, 5, 12])
     with pytest.raises(TypeError, match="ParallelCache"):
         model(idx, caches=[b.attn.new_cache() for b in model.blocks])
+
+
+def test_soft_hash_local_model_preset_is_soft_hash_1k_beside_a_window_of_64():
+    from polysketch.nn import MODEL_PRESETS, KernelAttention, valid_model_attentions
+
+    assert "soft_hash_local" in valid_model_attentions()
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4)
+    preset = TransformerLM(TransformerConfig(attention="soft_hash_local", **small))
+    spelled = TransformerLM(TransformerConfig(attention="soft_hash_1k", local_window=64, **small))
+    assert MODEL_PRESETS["soft_hash_local"]["local_window"] == 64
+    for a, b in zip(preset.state_dict().items(), spelled.state_dict().items(), strict=True):
+        assert a[0] == b[0] and torch.equal(a[1], b[1])
+    assert preset.blocks[0].attn.attention == "soft_hash_1k"
+    assert preset.blocks[0].local_attn.window == 64
+    idx = torch.randint(0, V, (1, 9))
+    assert torch.equal(preset(idx)[0], spelled(idx)[0])
+    narrower = TransformerConfig(attention="soft_hash_local", local_window=8, **small)
+    assert narrower.branches() == ("soft_hash_1k", 8)
+    with pytest.raises(ValueError, match="model preset.*soft_hash_1k"):
+        KernelAttention(16, 2, attention="soft_hash_local")

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from polysketch import features
-from polysketch.nn import PRESETS
+from polysketch.nn import MODEL_PRESETS, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -50,6 +50,13 @@ def test_preset_table_matches_the_code():
     rows = _table_after("<!-- preset-table: checked by tests/test_readme.py -->")
     assert {row[0].strip("`"): row[1] for row in rows} == {
         name: preset["description"] for name, preset in PRESETS.items()
+    }
+
+
+def test_model_preset_table_matches_the_code():
+    rows = _table_after("<!-- model-preset-table: checked by tests/test_readme.py -->")
+    assert {row[0].strip("`"): row[1] for row in rows} == {
+        name: preset["description"] for name, preset in MODEL_PRESETS.items()
     }
 
 

@@ -36,7 +36,7 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
-from ..nn import valid_attentions
+from ..nn import valid_model_attentions
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -213,12 +213,12 @@ def _model_config(args) -> ModelBenchConfig:
 
 
 def parse_attentions(text: str) -> tuple[str, ...]:
-    """``--attentions`` "a,b,c" -> ("a", "b", "c"), each one of ``valid_attentions()``."""
+    """``--attentions`` "a,b,c" -> ("a", "b", "c"), each one of ``valid_model_attentions()``."""
     names = tuple(n.strip() for n in str(text).split(",") if n.strip())
     if not names:
         raise ValueError("attentions must name at least one attention, e.g. psf_random,softmax")
     for name in names:
-        check_choice(name, "attentions", valid_attentions())
+        check_choice(name, "attentions", valid_model_attentions())
     return names
 
 

@@ -28,7 +28,7 @@ from .._checks import parse_key_values
 from .._files import temporary_pattern
 from ..data.corpus import load_corpus
 from ..data.mqar import MQARConfig
-from ..nn import TransformerConfig, TransformerLM, valid_attentions
+from ..nn import TransformerConfig, TransformerLM, valid_model_attentions
 from ..train import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -186,8 +186,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _configs_from_args(args):
-    if args.attention not in valid_attentions():
-        raise ValueError(f"--attention must be one of {valid_attentions()}, got {args.attention!r}")
+    if args.attention not in valid_model_attentions():
+        raise ValueError(
+            f"--attention must be one of {valid_model_attentions()}, got {args.attention!r}"
+        )
     if args.task == "mqar":
         source = {"task": "mqar", "vocab_size": args.mqar_vocab, "seq_len": args.mqar_seq_len,
                   "num_kv_pairs": args.mqar_kv_pairs, "num_train": args.mqar_train,

@@ -32,7 +32,7 @@ from pathlib import Path
 from .._checks import parse_key_values
 from .._files import write_csv as _write_csv
 from ..data.mqar import MQARConfig
-from ..nn import TransformerConfig, valid_attentions
+from ..nn import TransformerConfig, valid_model_attentions
 from ..train import MQARData, TrainConfig, train
 from .plots import log_axes, save_png, subplots
 
@@ -160,9 +160,9 @@ def parse_attention(spec: str) -> tuple[str, dict, dict]:
     if not isinstance(spec, str):
         raise TypeError(f"attention spec must be a string, got {type(spec).__name__}")
     name, _, rest = spec.partition(":")
-    if name not in valid_attentions():
+    if name not in valid_model_attentions():
         raise ValueError(f"attentions: unknown {name!r} in {spec!r}; choose from "
-                         f"{valid_attentions()}")  # fmt: skip
+                         f"{valid_model_attentions()}")  # fmt: skip
     model, maps = {}, {}
     items = rest.split(",") if rest else []
     for key, value in parse_key_values(items, f"attentions {spec!r}").items():

@@ -15,7 +15,7 @@ from .attention import KernelAttention
 from .cache import KVCache, MixedCache, ParallelCache, RecurrentCache, WindowCache
 from .core import AttentionCore
 from .heads import MultiHeadFeatureMap, head_seed
-from .presets import PRESETS, valid_attentions
+from .presets import MODEL_PRESETS, PRESETS, valid_attentions, valid_model_attentions
 from .rope import RotaryEmbedding
 from .transformer import TransformerConfig, TransformerLM
 
@@ -25,6 +25,7 @@ __all__ = [
     "TransformerConfig",
     "TransformerLM",
     "PRESETS",
+    "MODEL_PRESETS",
     "MultiHeadFeatureMap",
     "RotaryEmbedding",
     "KVCache",
@@ -35,4 +36,5 @@ __all__ = [
     "ablate_global",
     "head_seed",
     "valid_attentions",
+    "valid_model_attentions",
 ]

@@ -30,6 +30,7 @@ from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
 from .cache import ParallelCache
+from .presets import MODEL_PRESETS
 from .sharding import check_core_on_shard, make_shard
 from .warm_start import set_exact_attention as _set_exact_attention
 
@@ -45,7 +46,7 @@ class TransformerConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    attention: str = "polysketch"  # feature-map name, "softmax", "polynomial" or a preset
+    attention: str = "polysketch"  # feature-map name, "softmax", "polynomial", a (model) preset
     map_kwargs: dict = field(default_factory=dict)  # passed to the feature map(s)
     chunk_size: int = 64
     rope: bool = True
@@ -60,6 +61,16 @@ class TransformerConfig:
     learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
     window: int | None = None  # attention="sliding_window": keys each query sees
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
+
+    def branches(self) -> tuple[str, int | None]:
+        """(the attention of every layer, the window of the sliding-window branch beside it
+        or None): ``attention`` and ``local_window``, or what a model preset
+        (``polysketch.nn.presets.MODEL_PRESETS``) sets; an explicit ``local_window`` wins."""
+        preset = MODEL_PRESETS.get(self.attention)
+        if preset is None:
+            return self.attention, self.local_window
+        window = preset["local_window"] if self.local_window is None else self.local_window
+        return preset["attention"], window
 
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
@@ -84,7 +95,7 @@ class TransformerConfig:
             check_positive_int(self.window, "window")
         if self.local_window is not None:
             check_positive_int(self.local_window, "local_window")
-            if self.attention in ("softmax", "sliding_window"):
+            if self.branches()[0] in ("softmax", "sliding_window"):
                 raise ValueError(
                     f"local_window adds a sliding-window branch beside a linear-time attention; "
                     f"attention={self.attention!r} already sees the local keys exactly"
@@ -131,11 +142,12 @@ class Block(nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_index: int):
         super().__init__()
+        attention, local_window = config.branches()
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = KernelAttention(
             config.n_embd,
             config.n_head,
-            attention=config.attention,
+            attention=attention,
             causal=True,
             rope=config.rope,
             chunk_size=config.chunk_size,
@@ -150,12 +162,12 @@ class Block(nn.Module):
             **config.map_kwargs,
         )
         self.local_attn = None
-        if config.local_window is not None:
+        if local_window is not None:
             self.local_attn = KernelAttention(
                 config.n_embd,
                 config.n_head,
                 attention="sliding_window",
-                window=config.local_window,
+                window=local_window,
                 causal=True,
                 rope=config.rope,
                 chunk_size=config.chunk_size,
