@@ -13,7 +13,8 @@ are seeded from (``config.seed``, layer index, head index) (``polysketch.nn.head
 Decoding: ``generate`` prefills a per-layer cache (``polysketch.nn.cache``) with the prompt and
 then feeds one token at a time: linear attentions keep a constant-size state (one fused
 update per token), softmax and polynomial a KV cache, mixed attention the state of complete
-blocks plus the current block, ``sliding_window`` the last w keys. Prompts of different
+blocks plus the current block, ``sliding_window`` the last w keys (a layer with a
+``local_window`` branch both its attention's cache and the window's). Prompts of different
 lengths go in one batch with a ``key_padding_mask`` (pads anywhere, usually on the left):
 each row generates what it generates alone (``polysketch.nn.padding``).
 """
@@ -135,9 +136,10 @@ class Block(nn.Module):
     tokens (``attention="sliding_window"``). This is BASED's design of a linear global part
     beside an exact local window (Arora et al. 2024), in one layer: the local branch models
     the next token from its neighbours, and the global branch's normalizer is not shared
-    with the local scores, so they cannot drown its far-context weights (the shared
-    normalizer of ``mixed`` attention did: ``docs/results/long_context/screens/``). The
-    decode cache of such a layer is a ``polysketch.nn.cache.ParallelCache``.
+    with the local scores (``mixed`` attention, whose exact local blocks and far features
+    share one normalizer, learned no 1024-back copy where ``soft_hash_local`` did:
+    ``docs/results/long_context/screens/``). The decode cache of such a layer is a
+    ``polysketch.nn.cache.ParallelCache``.
     """
 
     def __init__(self, config: TransformerConfig, layer_index: int):
