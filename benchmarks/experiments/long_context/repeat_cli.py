@@ -26,7 +26,7 @@ from .probe_training import (
     train_model,
 )
 from .repeat_probe import PROBE_COLUMNS, probe_model
-from .report import ResultCSV, fmt, markdown_table
+from .report import ResultCSV, fmt, markdown_table, spec_label
 
 __all__ = ["register", "DEFAULT_ATTENTIONS", "SMOKE", "probe_data"]
 
@@ -257,7 +257,7 @@ def plot_drops(summary, path):
         if xs:
             ax.bar(xs, ys, width, label=label)
     ax.set_xticks(range(len(summary)))
-    ax.set_xticklabels([r["attention"].split(":")[0] for r in summary], rotation=30, fontsize=7)
+    ax.set_xticklabels([spec_label(r["attention"]) for r in summary], rotation=30, fontsize=7)
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_ylabel("loss drop on the recurrence (nats/byte)")
     ax.legend(fontsize=7)

@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["ResultCSV", "markdown_table", "parse_value", "fmt"]
+__all__ = ["ResultCSV", "markdown_table", "parse_value", "fmt", "spec_label"]
 
 
 def parse_value(text: str):
@@ -46,6 +46,12 @@ def fmt(value, spec: str = ".3g") -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def spec_label(spec: str) -> str:
+    """A plot label for an attention spec: ``NAME:k=v,k2=v2`` on one line per part, so
+    options that change the model (``local_window=64``) are not cut off."""
+    return spec.replace(":", "\n").replace(",", "\n")
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:

@@ -16,7 +16,7 @@ from polysketch.eval.plots import save_png, subplots
 
 from .cli import add_common, guarded, header, out_dir
 from .probe_training import ProbeSettings, model_config
-from .report import ResultCSV, markdown_table
+from .report import ResultCSV, markdown_table, spec_label
 from .timing import time_steps
 
 __all__ = ["register", "DEFAULT_ATTENTIONS", "parse_size"]
@@ -115,7 +115,7 @@ def plot(rows, path):
         here = [r for r in rows if r["size"] == size]
         ax.bar(range(len(here)), [float(r["s_per_step"]) for r in here])
         ax.set_xticks(range(len(here)))
-        ax.set_xticklabels([r["attention"].split(":")[0] for r in here], rotation=30, fontsize=7)
+        ax.set_xticklabels([spec_label(r["attention"]) for r in here], rotation=30, fontsize=7)
         ax.set_ylabel("seconds per step")
         ax.set_title(f"{size}", fontsize=9)
     return save_png(fig, path)
