@@ -38,7 +38,9 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   linear-time preset that learns the copy from 1024 back (0.67× softmax's drop at 400 steps,
   a perfect copy at 600); 0.045 of the weight on an exact match among 4k keys at init; its
   loss on natural text at context 2048 is 1.22× softmax's after 300 steps (like
-  ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU.
+  ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU. The model
+  preset ``soft_hash_local`` adds an exact 64-token window beside it, which closes the
+  natural-text gap and keeps the copy.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
@@ -54,10 +56,12 @@ single ``KernelAttention``): an attention preset plus a model option.
   beside it in every layer (``TransformerConfig.local_window=64``: its own projections and
   normalizer, outputs summed; BASED's local + global design). The window models the next
   byte from its neighbours, the soft-hash branch reads far context with a normalizer of its
-  own. Decode state per layer: H·1024·(E + 1) + H·64·(D + E) floats (2.2× ``psf_random``'s
-  at H = 2, D = E = 64). Long context (2 × 128 model, context 2048, seed 0,
-  ``docs/results/long_context/screens/``): learns the copy from 1024 back (drop 2.63 at 300
-  steps, softmax 3.20 at 200) and models natural text at 0.92–0.94× softmax's loss.
+  own. Decode state per layer: H·1024·(E + 1) + H·64·(D + E) floats (2.1× ``psf_random``'s
+  at D = E = 64). Long context (2 × 128 model, context 2048, seeds 0–2,
+  ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back through its
+  soft_hash branch (drop at 400 steps 0.98× / 0.33× / 0.90× softmax's; the branch switched
+  off leaves none) and models natural text at 0.85–0.93× softmax's loss after 300 steps; it
+  trains at 0.24× ``psf_random``'s tokens/s on a CPU.
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
