@@ -217,3 +217,16 @@ def test_soft_hash_local_model_preset_is_soft_hash_1k_beside_a_window_of_64():
     assert narrower.branches() == ("soft_hash_1k", 8)
     with pytest.raises(ValueError, match="model preset.*soft_hash_1k"):
         KernelAttention(16, 2, attention="soft_hash_local")
+
+
+def test_local_window_caches_select_rows_in_both_branches():
+    model = _model("psf_random", local_window=3).double()
+    idx = torch.randint(0, V, (2, 9))
+    caches = model.new_caches()
+    model(idx[:, :8], caches=caches)
+    for c in caches:
+        c.select_rows(torch.tensor([1, 1, 0]))  # reorder and repeat rows (beam search)
+    step, _ = model(idx[[1, 1, 0], 8:], caches=caches)
+    full, _ = model(idx[[1, 1, 0]])
+    torch.testing.assert_close(step[:, 0], full[:, 8], rtol=1e-9, atol=1e-10)
+    assert all(c.length == 9 for c in caches)
