@@ -145,37 +145,28 @@ class Block(nn.Module):
     def __init__(self, config: TransformerConfig, layer_index: int):
         super().__init__()
         attention, local_window = config.branches()
+        layer = dict(causal=True, rope=config.rope, chunk_size=config.chunk_size,
+                     seed=config.seed, layer_index=layer_index)  # fmt: skip
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = KernelAttention(
             config.n_embd,
             config.n_head,
             attention=attention,
-            causal=True,
-            rope=config.rope,
-            chunk_size=config.chunk_size,
-            seed=config.seed,
-            layer_index=layer_index,
             qk_dim=config.qk_dim,
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
             mixed=config.mixed,
             learn_balance=config.learn_balance,
             window=config.window,
+            **layer,
             **config.map_kwargs,
         )
         self.local_attn = None
         if local_window is not None:
             self.local_attn = KernelAttention(
-                config.n_embd,
-                config.n_head,
-                attention="sliding_window",
-                window=local_window,
-                causal=True,
-                rope=config.rope,
-                chunk_size=config.chunk_size,
-                seed=config.seed,
-                layer_index=layer_index,
-            )
+                config.n_embd, config.n_head, attention="sliding_window", window=local_window,
+                **layer,
+            )  # fmt: skip
         self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
