@@ -40,6 +40,12 @@ def _log_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
     return torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1)
 
 
+def _features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """φ(x) = [softmax(u), softmax(−u)] = exp(``_log_features``) in one pass per half."""
+    u = x @ weight.to(x.dtype) + bias.to(x.dtype)
+    return torch.cat([u.softmax(-1), (-u).softmax(-1)], dim=-1)
+
+
 def distillation_loss(
     log_phi_q: torch.Tensor, log_phi_k: torch.Tensor, logits: torch.Tensor, *, causal: bool
 ) -> torch.Tensor:
@@ -182,11 +188,14 @@ class HedgehogFeatureMap(FeatureMap):
             return self.weight_k, self.bias_k
         return self.weight_q, self.bias_q
 
+    def _scaled(self, phi: torch.Tensor) -> torch.Tensor:
+        return phi if self.output_scale == 1.0 else phi * self.output_scale
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return _log_features(x, *self._params(False)).exp() * self.output_scale
+        return self._scaled(_features(x, *self._params(False)))
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return _log_features(x, *self._params(True)).exp() * self.output_scale
+        return self._scaled(_features(x, *self._params(True)))
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``exp(scale·x·y)``: (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""

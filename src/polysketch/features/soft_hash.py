@@ -125,11 +125,14 @@ class SoftHashFeatureMap(FeatureMap):
         scale = self.log_temperature.exp() / math.sqrt(self.dim)
         return x @ (w * scale).to(x.dtype)
 
+    def _scaled(self, phi: torch.Tensor) -> torch.Tensor:
+        return phi if self.output_scale == 1.0 else phi * self.output_scale
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._logits(x, False).softmax(-1) * self.output_scale
+        return self._scaled(self._logits(x, False).softmax(-1))
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._logits(x, True).softmax(-1) * self.output_scale
+        return self._scaled(self._logits(x, True).softmax(-1))
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """c² Σ_f P(x → f) P(y → f) (Eq. 2 × output_scale²), in log space:

@@ -96,11 +96,13 @@ def _rows_ok(phi: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """Whether every element of ``x`` is finite (CPU, host read): the sum first (one reduction,
-    about 4x cheaper than ``isfinite(x).all()`` on a decoding step's few features); a NaN or
-    ±inf element makes it non-finite, and only then (or when finite values overflow in the
-    sum) is every element tested."""
-    total = x.sum(dtype=torch.float64) if x.dtype != torch.float64 else x.sum()
+    """Whether every element of ``x`` is finite (CPU, host read). The sum first, accumulated in
+    float32 (float64 for float64 inputs): one vectorized reduction, several times cheaper than
+    ``isfinite(x).all()``. A NaN or ±inf element makes the sum non-finite, so a finite sum
+    proves every element finite; only a non-finite sum (or finite values whose sum overflows)
+    tests every element."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    total = x.sum() if x.dtype == acc else x.sum(dtype=acc)
     return math.isfinite(total.item()) or bool(torch.isfinite(x).all())
 
 
@@ -161,17 +163,17 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
     dtype = phi_q.dtype
     if asynchronous is None:
         asynchronous = phi_q.device.type != "cpu" or torch.compiler.is_compiling()
-    all_finite = (
-        joint is not None and not asynchronous and key_padding_mask is None and _all_finite(joint)
-    )  # rule 2 holds for both; otherwise each is checked to name the culprit
-    if not all_finite:
-        ok_q = _rows_ok(phi_q, None)
-        if asynchronous or not bool(ok_q.all()):
+    # On the CPU a finite sum proves rule 2 (``_all_finite``); the rows are tested only when it
+    # does not, to name the culprit (a masked key row may still be non-finite).
+    both = joint is not None and not asynchronous and key_padding_mask is None
+    if not (both and _all_finite(joint)):
+        if asynchronous or not _all_finite(phi_q):
+            ok_q = _rows_ok(phi_q, None)
             refuse_unless(ok_q, _query_overflow(feature_map, dtype, stabilized),
                           asynchronous=asynchronous)  # fmt: skip
-        keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
-        ok_k = _rows_ok(phi_k, keep)
-        if asynchronous or not bool(ok_k.all()):
+        if asynchronous or not _all_finite(phi_k):
+            keep = None if key_padding_mask is None else key_padding_mask.expand(phi_k.shape[:-1])
+            ok_k = _rows_ok(phi_k, keep)
             refuse_unless(ok_k, _key_overflow(feature_map, dtype), asynchronous=asynchronous)
     if not getattr(feature_map, "stable_query", False) or feature_map.square:
         return

@@ -104,8 +104,8 @@ def _hedgehog(template: HedgehogFeatureMap, params, buffers, x, role, memo):
     weight = as_dtype(params[f"map.weight_{which}"], x.dtype)  # (H, D, M)
     bias = as_dtype(params[f"map.bias_{which}"], x.dtype)  # (H, M)
     u = x @ weight + bias.unsqueeze(-2)  # (..., H, T, D) @ (H, D, M), batched over heads
-    phi = torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1).exp()
-    return phi * template.output_scale
+    phi = torch.cat([u.softmax(-1), (-u).softmax(-1)], dim=-1)
+    return phi if template.output_scale == 1.0 else phi * template.output_scale
 
 
 def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
@@ -117,7 +117,8 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
         log_t = buffers["map.log_temperature"]
     scale = log_t.exp() / math.sqrt(template.dim)
     logits = x @ as_dtype(weight * scale[:, None, None], x.dtype)  # (..., H, T, D) @ (H, D, F)
-    return logits.softmax(-1) * template.output_scale
+    phi = logits.softmax(-1)
+    return phi if template.output_scale == 1.0 else phi * template.output_scale
 
 
 def batched_form(feature_map: FeatureMap) -> Callable | None:
