@@ -199,23 +199,32 @@ def test_local_window_configs_and_refusals():
         model(idx, caches=[b.attn.new_cache() for b in model.blocks])
 
 
-def test_soft_hash_local_model_preset_is_soft_hash_1k_beside_a_window_of_64():
+def test_soft_hash_local_model_preset_is_soft_hash_512_at_temperature_8_beside_a_window():
     from polysketch.nn import MODEL_PRESETS, KernelAttention, valid_model_attentions
 
     assert "soft_hash_local" in valid_model_attentions()
     small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4)
     preset = TransformerLM(TransformerConfig(attention="soft_hash_local", **small))
-    spelled = TransformerLM(TransformerConfig(attention="soft_hash_1k", local_window=64, **small))
+    spelled = TransformerLM(TransformerConfig(attention="soft_hash_1k", local_window=64,
+                                              map_kwargs={"num_features": 512, "temperature": 8.0},
+                                              **small))  # fmt: skip
     assert MODEL_PRESETS["soft_hash_local"]["local_window"] == 64
     for a, b in zip(preset.state_dict().items(), spelled.state_dict().items(), strict=True):
         assert a[0] == b[0] and torch.equal(a[1], b[1])
     assert preset.blocks[0].attn.attention == "soft_hash_1k"
+    assert preset.blocks[0].attn.feature_map.feature_dim == 512
+    log_t = [v for k, v in preset.state_dict().items() if k.endswith("log_temperature")]
+    assert len(log_t) == 2 and all(torch.allclose(t.exp(), torch.tensor(8.0)) for t in log_t)
     assert preset.blocks[0].local_attn.window == 64
     idx = torch.randint(0, V, (1, 9))
     assert torch.equal(preset(idx)[0], spelled(idx)[0])
     narrower = TransformerConfig(attention="soft_hash_local", local_window=8, **small)
     assert narrower.branches() == ("soft_hash_1k", 8)
-    with pytest.raises(ValueError, match="model preset.*soft_hash_1k"):
+    wider = TransformerConfig(attention="soft_hash_local", map_kwargs={"num_features": 64}, **small)
+    assert wider.map_options() == {"num_features": 64, "temperature": 8.0}  # the user's win
+    assert TransformerLM(wider).blocks[1].attn.feature_map.feature_dim == 64
+    spelled_out = "model preset.*soft_hash_1k, num_features=512, temperature=8.0"
+    with pytest.raises(ValueError, match=spelled_out):
         KernelAttention(16, 2, attention="soft_hash_local")
 
 

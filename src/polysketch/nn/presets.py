@@ -39,8 +39,8 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   a perfect copy at 600); 0.045 of the weight on an exact match among 4k keys at init; its
   loss on natural text at context 2048 is 1.22× softmax's after 300 steps (like
   ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU. The model
-  preset ``soft_hash_local`` adds an exact 64-token window beside it, which closes the
-  natural-text gap and keeps the copy.
+  preset ``soft_hash_local`` runs it with 512 buckets at τ = 8 beside an exact 64-token
+  window, which closes the natural-text gap and keeps the copy.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
@@ -51,17 +51,21 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
 **Model presets** (``MODEL_PRESETS``; ``TransformerConfig(attention=...)`` and the CLIs, not a
 single ``KernelAttention``): an attention preset plus a model option.
 
-* ``soft_hash_local`` — ours, the long-context preset (issue 21 §2): ``soft_hash_1k`` as the
-  global attention with an exact sliding-window softmax branch over the last 64 tokens
-  beside it in every layer (``TransformerConfig.local_window=64``: its own projections and
-  normalizer, outputs summed; BASED's local + global design). The window models the next
-  byte from its neighbours, the soft-hash branch reads far context with a normalizer of its
-  own. Decode state per layer: H·1024·(E + 1) + H·64·(D + E) floats (2.1× ``psf_random``'s
-  at D = E = 64). Long context (2 × 128 model, context 2048, seeds 0–2,
+* ``soft_hash_local`` — ours, the long-context preset (issue 21 §2): the ``soft_hash_1k``
+  map with F = 512 buckets and initial temperature τ = 8 (``map_kwargs``) as the global
+  attention, with an exact sliding-window softmax branch over the last 64 tokens beside it in
+  every layer (``TransformerConfig.local_window=64``: its own projections and normalizer,
+  outputs summed; BASED's local + global design). The window models the next byte from its
+  neighbours, the soft-hash branch reads far context with a normalizer of its own. Decode
+  state per layer: H·512·(E + 1) + H·64·(D + E) floats (1.17× ``psf_random``'s at D = E =
+  64). Long context (2 × 128 model, context 2048, seeds 0–2,
   ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back through its
-  soft_hash branch (drop at 400 steps 0.98× / 0.33× / 0.90× softmax's; the branch switched
-  off leaves none) and models natural text at 0.85–0.93× softmax's loss after 300 steps; it
-  trains at 0.24× ``psf_random``'s tokens/s on a CPU.
+  soft_hash branch (drop at 400 steps 0.83× / 0.60× / 0.83× softmax's; the branch switched
+  off leaves none); natural-text loss 0.86–0.95× that of softmax of the same size, 1.03–1.08×
+  that of a parameter-matched softmax, after 300 steps; 0.057 of the weight on an exact match
+  among 4k keys at init (exact degree 4: 0.25); trains at 0.55–0.70× ``psf_random``'s
+  tokens/s on a CPU. F = 1024 at τ = 4 (the preset's first version) copied at 0.98× / 0.33× /
+  0.90× with 2.1× ``psf_random``'s state at half the speed.
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
@@ -210,18 +214,21 @@ PRESETS: dict[str, dict] = {
 MODEL_PRESETS: dict[str, dict] = {
     "soft_hash_local": {
         "description": (
-            "long context: soft_hash_1k (F = 1024 learned buckets, LayerNorm on q/k, "
-            "normalizer Σ) beside an exact sliding-window softmax branch over the last 64 "
-            "tokens in every layer (local_window=64: own projections and normalizer, outputs "
-            "summed); learns a copy from 1024 tokens back and models natural text like softmax "
-            "at the measured budget"
+            "long context: soft_hash_1k with F = 512 learned buckets and initial temperature "
+            "8 (LayerNorm on q/k, normalizer Σ) beside an exact sliding-window softmax branch "
+            "over the last 64 tokens in every layer (local_window=64: own projections and "
+            "normalizer, outputs summed); learns a copy from 1024 tokens back and models "
+            "natural text like softmax at the measured budget, with a decode state 1.17× "
+            "psf_random's"
         ),
         "attention": "soft_hash_1k",
+        "map_kwargs": {"num_features": 512, "temperature": 8.0},
         "local_window": 64,
     },
 }
 """Model preset name -> {"description", "attention": the attention preset of every layer,
-"local_window": the window of the branch beside it} (``TransformerConfig``)."""
+"map_kwargs": its feature-map keywords (optional; ``TransformerConfig.map_kwargs`` override
+them), "local_window": the window of the branch beside it} (``TransformerConfig``)."""
 
 
 @dataclass(frozen=True)
@@ -323,11 +330,12 @@ def resolve_attention(
         norm_default, offset_default = polynomial, 1.0 if polynomial else 0.0
     elif attention in MODEL_PRESETS:
         m = MODEL_PRESETS[attention]
+        options = "".join(f", {k}={v!r}" for k, v in m.get("map_kwargs", {}).items())
         raise ValueError(
-            f"attention={attention!r} is a model preset ({m['attention']} beside an exact "
-            f"sliding window of {m['local_window']} tokens): use it in TransformerConfig"
+            f"attention={attention!r} is a model preset ({m['attention']}{options} beside an "
+            f"exact sliding window of {m['local_window']} tokens): use it in TransformerConfig"
             f"(attention={attention!r}); a single attention layer has no window branch, use "
-            f"attention={m['attention']!r} there"
+            f"attention={m['attention']!r}{options} there"
         )
     else:
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")

@@ -73,6 +73,12 @@ class TransformerConfig:
         window = preset["local_window"] if self.local_window is None else self.local_window
         return preset["attention"], window
 
+    def map_options(self) -> dict:
+        """The feature-map keywords of every layer's attention: a model preset's
+        ``map_kwargs`` (``polysketch.nn.presets.MODEL_PRESETS``) overridden by ``map_kwargs``."""
+        preset = MODEL_PRESETS.get(self.attention) or {}
+        return {**preset.get("map_kwargs", {}), **self.map_kwargs}
+
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "chunk_size"):
@@ -159,7 +165,7 @@ class Block(nn.Module):
             learn_balance=config.learn_balance,
             window=config.window,
             **layer,
-            **config.map_kwargs,
+            **config.map_options(),
         )
         self.local_attn = None
         if local_window is not None:
