@@ -102,6 +102,7 @@ def _all_finite(x: torch.Tensor) -> bool:
     proves every element finite; only a non-finite sum (or finite values whose sum overflows)
     tests every element."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.detach()  # a check: no autograd node for the sum
     total = x.sum() if x.dtype == acc else x.sum(dtype=acc)
     return math.isfinite(total.item()) or bool(torch.isfinite(x).all())
 
