@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polysketch import features
-from polysketch.features.hedgehog import HedgehogFeatureMap, distillation_loss
+from polysketch.features.hedgehog import HedgehogFeatureMap, _log_features, distillation_loss
 
 D = 8
 _MIX = torch.randn(D, D, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
@@ -54,6 +54,8 @@ def test_features_match_the_naive_definition():
         neg = torch.exp(-u) / torch.exp(-u).sum(-1, keepdim=True)
         ref = torch.cat([pos, neg], -1)
         assert torch.allclose(feats, ref, rtol=1e-12, atol=0)
+        # the distillation loss's log features are the log of these (computed apart)
+        assert torch.allclose(_log_features(x, w, b).exp(), feats, rtol=1e-12, atol=0)
         assert torch.allclose(feats[..., :6].sum(-1), torch.ones(11, dtype=torch.float64))
     assert not torch.allclose(fm.query(x), fm.key(x))  # separate query/key maps by default
     shared = _randomize(HedgehogFeatureMap(D, shared=True).double(), seed=1)
