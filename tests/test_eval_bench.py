@@ -165,6 +165,14 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
         assert [r["attention"] for r in csv.DictReader(fh)] == ["psf_random", "soft_hash_1k"]
     assert cli.main([*chosen[:-3], "--attentions", "nope", "--overwrite"]) == 2
     assert "polysketch bench: error: attentions" in capsys.readouterr().err
+    spec = "soft_hash_1k:num_features=16,local_window=8,temperature=8.0"
+    assert cli.main([*chosen[:-3], "--attentions", f"psf_random,{spec}", "--overwrite"]) == 0
+    assert spec in capsys.readouterr().out
+    with (tmp_path / "model_results.csv").open() as fh:
+        assert [r["attention"] for r in csv.DictReader(fh)] == ["psf_random", spec]
+    assert cli.main([*chosen[:-3], "--attentions", "num_features=16,psf_random",
+                     "--overwrite"]) == 2  # fmt: skip
+    assert "keyword with no NAME" in capsys.readouterr().err
     assert cli.main(["bench", "--quick", "--attentions", "psf_random", "--out", str(tmp_path),
                      "--overwrite"]) == 2  # fmt: skip
     assert "with --model or --decode only" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import argparse
 from collections.abc import Sequence
 
 from .._checks import check_choice, check_float, check_positive_int
+from ..eval.attention_spec import split_attentions
 from ..eval.bench import (
     DTYPES,
     MALLOC_TOP_PAD,
@@ -36,7 +37,6 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
-from ..nn import valid_model_attentions
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -95,10 +95,11 @@ def add_arguments(parser) -> None:
         "see polysketch.eval.bench.model",
     )  # fmt: skip
     parser.add_argument(
-        "--attentions", default=None, metavar="NAMES",
-        help="with --model or --decode: comma-separated attention= values to time side by "
-        "side (default: softmax,psf_random,psf_mixed for --model; the decode set for "
-        "--decode), e.g. psf_random,soft_hash_1k",
+        "--attentions", default=None, metavar="SPECS",
+        help="with --model or --decode: comma-separated attentions to time side by side, "
+        "each NAME or NAME:key=value,... (model options and map keywords, as polysketch mqar "
+        "reads them; default: softmax,psf_random,psf_mixed for --model; the decode set for "
+        "--decode), e.g. psf_random,soft_hash_1k:num_features=320,local_window=64",
     )  # fmt: skip
     parser.add_argument(
         "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -213,13 +214,10 @@ def _model_config(args) -> ModelBenchConfig:
 
 
 def parse_attentions(text: str) -> tuple[str, ...]:
-    """``--attentions`` "a,b,c" -> ("a", "b", "c"), each one of ``valid_model_attentions()``."""
-    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
-    if not names:
-        raise ValueError("attentions must name at least one attention, e.g. psf_random,softmax")
-    for name in names:
-        check_choice(name, "attentions", valid_model_attentions())
-    return names
+    """``--attentions`` "a,b:k=v,k2=v2,c" -> ("a", "b:k=v,k2=v2", "c"): attention specs
+    (``polysketch.eval.attention_spec.split_attentions``), each naming one of
+    ``valid_model_attentions()``."""
+    return split_attentions(text)
 
 
 def _config(args) -> BenchConfig:

@@ -8,12 +8,11 @@ while decoding at position T = ``seq_len`` (``TransformerLM.decode_state_size``)
 for feature-map attention, 2·L·H·D·T for the softmax KV cache. Recall at a given state size is
 the trade-off BASED's paper studies; softmax attention is the reference.
 
-An attention is named as ``NAME`` or ``NAME:key=value,...`` (``parse_attention``), e.g.
-``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: ``qk_dim``, ``short_conv``,
-``chunk_size``, ``qk_norm`` and ``rope`` set the model (``TransformerConfig``), other keys the
-feature map. With several learning rates (``lrs``) every attention is trained at each and
-reported at its best (Zoology's protocol: a sweep per model, best validation accuracy); the CSV
-keeps every run.
+An attention is named as ``NAME`` or ``NAME:key=value,...`` (``polysketch.eval.attention_spec.
+parse_attention``), e.g. ``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: keys in
+``MODEL_KEYS`` set the model (``TransformerConfig``), other keys the feature map. With several
+learning rates (``lrs``) every attention is trained at each and reported at its best (Zoology's
+protocol: a sweep per model, best validation accuracy); the CSV keeps every run.
 
 ``LLOPS`` is the LLoPS paper's Table 4 setting (d_model 128, m = 256, p = 4; BASED's 16-dim
 q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU budget.
@@ -29,11 +28,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._checks import parse_key_values
 from .._files import write_csv as _write_csv
 from ..data.mqar import MQARConfig
-from ..nn import TransformerConfig, valid_model_attentions
+from ..nn import TransformerConfig
 from ..train import MQARData, TrainConfig, train
+from .attention_spec import MODEL_KEYS, parse_attention
 from .plots import log_axes, save_png, subplots
 
 __all__ = [
@@ -46,6 +45,7 @@ __all__ = [
     "LONG_512",
     "LONG_ATTENTIONS",
     "SETTINGS",
+    "MODEL_KEYS",
     "parse_attention",
     "best_rows",
     "make_data",
@@ -130,12 +130,6 @@ LONG_ATTENTIONS = (
 )
 """``--setting long`` / ``long512``'s default attentions."""
 
-MODEL_KEYS = (
-    "qk_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed", "learn_balance", "window",
-    "local_window",
-)  # fmt: skip
-"""Keys of an attention spec that configure the model rather than the feature map."""
-
 COLUMNS = (
     "attention", "lr", "state_size", "params", "val_loss", "accuracy", "train_s"
 )  # fmt: skip
@@ -148,26 +142,6 @@ SETTINGS = {
     "long512": (LONG_512, LONG_ATTENTIONS),
 }
 """``--setting`` name -> (sizes, default attentions)."""
-
-
-def parse_attention(spec: str) -> tuple[str, dict, dict]:
-    """``"NAME[:key=value,...]"`` -> (NAME, model options, map keywords).
-
-    Values are Python literals (``256``, ``1e-3``, ``True``, ``'product'``); keys in
-    ``MODEL_KEYS`` go to the model, the rest to the feature map. Raises ValueError naming
-    the spec when it does not parse or NAME is unknown.
-    """
-    if not isinstance(spec, str):
-        raise TypeError(f"attention spec must be a string, got {type(spec).__name__}")
-    name, _, rest = spec.partition(":")
-    if name not in valid_model_attentions():
-        raise ValueError(f"attentions: unknown {name!r} in {spec!r}; choose from "
-                         f"{valid_model_attentions()}")  # fmt: skip
-    model, maps = {}, {}
-    items = rest.split(",") if rest else []
-    for key, value in parse_key_values(items, f"attentions {spec!r}").items():
-        (model if key in MODEL_KEYS else maps)[key] = value
-    return name, model, maps
 
 
 def best_rows(rows: Sequence[dict]) -> list[dict]:

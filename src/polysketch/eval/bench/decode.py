@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import check_int, check_positive_int
+from ..attention_spec import config_options
 
 __all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode", "rows_of",
            "run_decode_benchmark", "format_decode_report", "write_decode_csv"]  # fmt: skip
@@ -117,9 +118,9 @@ def _model(config: DecodeBenchConfig, attention: str):
     from ...nn import TransformerConfig, TransformerLM
 
     cfg = TransformerConfig(vocab_size=config.vocab_size, n_layer=config.n_layer,
-                            n_head=config.n_head, n_embd=config.n_embd, attention=attention,
-                            chunk_size=config.chunk_size, seed=config.seed,
-                            block_size=max(config.positions))  # fmt: skip
+                            n_head=config.n_head, n_embd=config.n_embd, seed=config.seed,
+                            block_size=max(config.positions),
+                            **config_options(attention, chunk_size=config.chunk_size))  # fmt: skip
     return TransformerLM(cfg).to(config.device).eval()
 
 
@@ -156,7 +157,8 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress=None) -> list[dict]
 def format_decode_report(rows: list[dict], title: str = "decode ms/token") -> str:
     """A text table: one line per attention, ms/token and × softmax at each position."""
     positions = sorted({r["position"] for r in rows})
-    head = f"{'attention':<14}" + "".join(f"{'P=' + str(p):>22}" for p in positions)
+    width = max([14, *(len(str(r["attention"])) + 1 for r in rows)])
+    head = f"{'attention':<{width}}" + "".join(f"{'P=' + str(p):>22}" for p in positions)
     lines = [title, head]
     for attention in dict.fromkeys(r["attention"] for r in rows):
         cells = []
@@ -167,7 +169,7 @@ def format_decode_report(rows: list[dict], title: str = "decode ms/token") -> st
                 continue
             ratio = "" if r["x_softmax"] is None else f" ({r['x_softmax']:.2f}x sm)"
             cells.append(f"{r['ms_per_token']:>10.2f} ms{ratio:>10}")
-        lines.append(f"{attention:<14}" + "".join(cells))
+        lines.append(f"{attention:<{width}}" + "".join(cells))
     lines.append("(x sm: softmax's ms/token / this one's, measured in the same run; > 1 = faster)")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ import torch
 from ..._checks import check_choice, check_positive_int
 from ..._files import write_csv
 from ...nn import TransformerConfig, TransformerLM
+from ..attention_spec import config_options
 from ..plots import log_axes, save_png, subplots
 from .attention import parse_lengths
 from .report import _fmt
@@ -49,7 +50,7 @@ CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 class ModelBenchConfig:
     """What to measure (see the module docstring); ``None`` sizes take the device default."""
 
-    attentions: Sequence[str] = ("softmax", "psf_random", "psf_mixed")
+    attentions: Sequence[str] = ("softmax", "psf_random", "psf_mixed")  # attention specs
     contexts: Sequence[int] | None = None
     n_layer: int | None = None
     n_head: int | None = None
@@ -122,8 +123,8 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
                 row.update(attention=attention, T=t)
                 model_config = TransformerConfig(
                     vocab_size=256, block_size=t, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                    n_embd=cfg.n_embd, attention=attention, chunk_size=cfg.chunk_size,
-                    seed=cfg.seed,
+                    n_embd=cfg.n_embd, seed=cfg.seed,
+                    **config_options(attention, chunk_size=cfg.chunk_size),
                 )  # fmt: skip
                 model = TransformerLM(model_config).to(device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -179,19 +180,20 @@ _COLUMNS = {
 def format_model_report(result: dict) -> str:
     """The table of ``run_model_benchmark``'s rows with the model and settings."""
     cfg = result["config"]
+    width = max([11, *(len(str(r["attention"])) for r in result["rows"])])
     lines = [
         f"TransformerLM training steps on {cfg.device} "
         f"({result.get('threads', torch.get_num_threads())} threads): "
         f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {cfg.chunk_size}, "
         f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}",
         "",
-        f"{'attention':<11} {'T':>6} {'step ms':>10} {'tokens/s':>10} {'x softmax':>9} "
+        f"{'attention':<{width}} {'T':>6} {'step ms':>10} {'tokens/s':>10} {'x softmax':>9} "
         f"{'MiB':>8} {'1st step s':>10} status",
     ]
     for r in result["rows"]:
         c = {k: _fmt(r[k], spec) for k, spec in _COLUMNS.items()}
         lines.append(
-            f"{r['attention']:<11} {r['T']:>6} {c['step_ms']:>10} {c['tokens_per_s']:>10} "
+            f"{r['attention']:<{width}} {r['T']:>6} {c['step_ms']:>10} {c['tokens_per_s']:>10} "
             f"{c['x_softmax']:>9} {c['mem_mib']:>8} {c['first_step_s']:>10} {r['status']}"
         )
     return "\n".join(lines)
