@@ -141,3 +141,28 @@ def test_train_model_reuses_a_finished_run_and_refuses_other_settings(tmp_path):
                     tmp_path / "run", progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="another model"):
         train_model("softmax", data, settings, tmp_path / "run", progress=False)
+
+
+def test_train_model_reuses_a_run_saved_before_a_config_field_existed(tmp_path):
+    from experiments.long_context.probe_training import ProbeSettings, train_model
+
+    from polysketch.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint, save_checkpoint
+
+    data = _tiny_data()
+    settings = ProbeSettings(n_layer=1, n_embd=16, n_head=2, chunk_size=8, context=32,
+                             batch_size=2, steps=2, warmup_steps=1)  # fmt: skip
+    model, _ = train_model("psf_random", data, settings, tmp_path / "run", progress=False)
+    path = next((tmp_path / "run").rglob(CHECKPOINT_NAME))
+    state = load_checkpoint(path, restore_rng=False)
+    # as written before these fields were added (they hold their defaults here)
+    assert state["model_config"].pop("local_window") is None
+    assert state["train_config"].pop("pack") == TrainConfig().pack
+    save_checkpoint(path, state)
+    again, facts = train_model("psf_random", data, settings, tmp_path / "run", progress=False)
+    assert facts["reused"]
+    for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    state["model_config"]["local_window"] = 4  # a field that differs is still another model
+    save_checkpoint(path, state)
+    with pytest.raises(ValueError, match="another model"):
+        train_model("psf_random", data, settings, tmp_path / "run", progress=False)

@@ -125,15 +125,20 @@ def train_config(
 
 def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[dict | None, int]:
     """(the checkpoint at ``path`` if it holds a finished run of exactly these configs, the
-    step it reached); (None, 0) without one. Another model or other settings are refused."""
+    step it reached); (None, 0) without one. Another model or other settings are refused; a
+    config field the checkpoint predates counts as its default."""
     if not path.is_file():
         return None, 0
     state = load_checkpoint(path, restore_rng=False)
-    if state.get("model_config") != asdict(mcfg):
+    # a field added to a config since the run was saved takes its default (as load_model does)
+    saved_model = {**asdict(TransformerConfig()), **state.get("model_config", {})}
+    if saved_model != asdict(mcfg):
         raise ValueError(
             f"{path} holds another model; use another --runs folder or delete that run"
         )
-    saved = {k: v for k, v in state.get("train_config", {}).items() if k != "out_dir"}
+    defaults = asdict(TrainConfig())
+    saved = {k: v for k, v in {**defaults, **state.get("train_config", {})}.items()
+             if k != "out_dir"}  # fmt: skip
     mine = {k: v for k, v in asdict(tcfg).items() if k != "out_dir"}
     saved["betas"], mine["betas"] = tuple(saved.get("betas", ())), tuple(mine["betas"])
     if saved != mine:
