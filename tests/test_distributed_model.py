@@ -1,7 +1,8 @@
 """``TransformerLM`` under context parallelism (gloo, 2 and 4 forked ranks) equals the
 single-process model on the whole sequence: logits and every parameter's gradient (summed
 over the ranks, as the training loop reduces them), for psf_random, psf_mixed, the short
-convolution, packed documents, T not divisible by the ranks and T < ranks (empty shards).
+convolution, soft_hash_local's window branch and sliding_window, packed documents, T not
+divisible by the ranks and T < ranks (empty shards).
 fp64 to 1e-10 relative; fp32 within rounding (1e-5)."""
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ CASES = {
     "hedgehog_packed": {"attention": "hedgehog", "cu": [0, 18, 19, 37]},
     "padded_conv": {"attention": "psf_random", "short_conv": 3, "pad": True},
     "padded_T3": {"attention": "hedgehog", "short_conv": 2, "pad": True, "T": 3},
+    # soft_hash_local's form: a soft_hash branch beside an exact window; 13 keys back reach
+    # two ranks back on 4 ranks (shards of 10, 9, 9, 9), 2 back at T = 3 cross empty shards
+    "soft_hash_window": {
+        "attention": "soft_hash_1k",
+        "local_window": 14,
+        "map_kwargs": {"num_features": 8, "temperature": 8.0},
+    },
+    "window_packed": {"attention": "sliding_window", "window": 6, "cu": [0, 5, 6, 19, 30, 37]},
+    "soft_hash_window_T3": {
+        "attention": "soft_hash_1k",
+        "local_window": 3,
+        "T": 3,
+        "map_kwargs": {"num_features": 8},
+    },
 }
 
 
@@ -37,6 +52,8 @@ def _config(c: dict) -> TransformerConfig:
     return TransformerConfig(
         vocab_size=29, block_size=64, n_layer=2, n_head=2, n_embd=16, chunk_size=8,
         attention=c["attention"], short_conv=c.get("short_conv", 0), seed=3,
+        local_window=c.get("local_window"), window=c.get("window"),
+        map_kwargs=c.get("map_kwargs", {}),
     )  # fmt: skip
 
 
@@ -120,11 +137,12 @@ def test_cp_model_fp32_within_rounding(name):
     _check(run_ranks(2, _rank, name, torch.float32), want, 1e-5)
 
 
-def test_packed_documents_equal_each_document_alone():
+@pytest.mark.parametrize("name", ["packed_conv", "window_packed"])
+def test_packed_documents_equal_each_document_alone(name):
     """A packed row's logits (single process) equal each document's logits run alone."""
-    c = CASES["packed_conv"]
+    c = CASES[name]
     model = _model(c, torch.float64)
-    idx, _, _ = _inputs("packed_conv", c)
+    idx, _, _ = _inputs(name, c)
     packed, _ = model(idx, cu_seqlens=c["cu"])
     for a, b in zip(c["cu"], c["cu"][1:], strict=False):
         alone, _ = model(idx[:, a:b])

@@ -193,8 +193,8 @@ def test_local_window_configs_and_refusals():
         TransformerLM(TransformerConfig(attention="softmax", local_window=4))
     model = _model("psf_random", local_window=3)
     idx = torch.randint(0, V, (1, 12))
-    with pytest.raises(ValueError, match="sliding_window"):  # no packed op for the window
-        model(idx, cu_seqlens=[0, 5, 12])
+    packed, _ = model(idx, cu_seqlens=[0, 5, 12])  # the window resets at document starts
+    torch.testing.assert_close(packed[:, 5:], model(idx[:, 5:])[0])
     with pytest.raises(TypeError, match="ParallelCache"):
         model(idx, caches=[b.attn.new_cache() for b in model.blocks])
 

@@ -49,6 +49,34 @@ def test_key_padding_and_nonfinite_padded_keys(kernel):
     assert torch.isfinite(gq).all()
 
 
+@pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_segments_keep_each_document_to_itself(kernel, window):
+    """With document ids the blocks equal the reference, outputs and gradients, and each
+    document equals the same attention on that document alone (no key of another one)."""
+    q, k, v = (x.requires_grad_() for x in _qkv(29, seed=5, scale=0.7))
+    bounds = [0, 3, 4, 12, 20, 29]  # documents of 3, 1, 8, 8 and 9 tokens
+    seg = torch.repeat_interleave(torch.arange(5), torch.tensor(bounds).diff())
+    keep = torch.rand(2, 1, 29, generator=seeded(6)) > 0.2
+    for kpm in (None, keep):
+        kw = {"window": window, "kernel": kernel, "denominator_offset": 1.0,
+              "key_padding_mask": kpm, "segments": seg}  # fmt: skip
+        ours, ref = window_attention(q, k, v, **kw), naive_window_attention(q, k, v, **kw)
+        assert rel_err(ours, ref) <= 1e-10
+        w = torch.randn_like(ref)
+        g1 = torch.autograd.grad((ours * w).sum(), (q, k, v))
+        g2 = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        assert rel_err(torch.cat([g.flatten() for g in g1]),
+                       torch.cat([g.flatten() for g in g2])) <= 1e-10  # fmt: skip
+    kw = {"window": window, "kernel": kernel, "denominator_offset": 1.0}
+    ours = window_attention(q, k, v, segments=seg, **kw)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        alone = window_attention(*(x[..., lo:hi, :] for x in (q, k, v)), **kw)
+        assert rel_err(ours[..., lo:hi, :], alone) <= 1e-12
+    if window > 1:  # the documents matter (w = 1: each query sees only itself)
+        assert rel_err(ours, window_attention(q, k, v, **kw)) > 1e-3
+
+
 def test_the_band_is_the_last_w_keys():
     """Each row equals the exact attention over its own last w keys (itself included)."""
     q, k, v = _qkv(19, seed=3)
@@ -92,3 +120,7 @@ def test_bad_arguments_name_themselves():
         window_attention(q[..., :3, :], k, v, window=2)
     with pytest.raises(ValueError, match="key_padding_mask"):
         window_attention(q, k, v, window=2, key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="segments"):
+        window_attention(q, k, v, window=2, segments=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError, match="segments"):
+        window_attention(q, k, v, window=2, segments=torch.zeros(5))

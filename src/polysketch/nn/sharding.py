@@ -16,7 +16,10 @@ What changes in the layer (everything else is per token):
                  the previous rank come as a halo, ``distributed.halo``)
     attention:   linear maps → ``cp_linear_attention`` (or ``ops.linear_attention`` with
                  ``cu_seqlens`` on one process); mixed (psf_mixed) → ``cp_mixed_attention``
-                 (not packed: its exact local blocks do not reset at document starts).
+                 (not packed: its exact local blocks do not reset at document starts);
+                 sliding window w → ``ops.window_attention`` over the w − 1 keys and values
+                 before the shard (a halo) and the shard's own, keys of other documents and
+                 before position 0 masked (``segments``, ``key_padding_mask``).
 
 Key padding (``keep`` (B, T_r) per rank, no packing, linear attentions): padding means
 removal as on one process (``nn.padding``): RoPE positions count real tokens (the real tokens
@@ -24,8 +27,8 @@ of earlier shards come with the shard lengths), the short convolution skips pads
 (``cp_short_conv(keep=)``) and padded keys drop out of the states.
 
 Refused with a ValueError naming the cause: attentions without a context-parallel op
-(softmax, polynomial, sliding_window; ``CP_ALGORITHMS`` lists what is supported), mixed
-attention with packing or with key padding on a shard, key padding with packing, decode
+(softmax, polynomial; ``CP_ALGORITHMS`` lists what is supported), mixed attention with
+packing, mixed or window attention with key padding on a shard, key padding with packing, decode
 caches, the warm start's exact attention and rematerialization (``checkpoint=True``)
 together with a shard.
 """
@@ -42,13 +45,14 @@ from .._checks import check_int
 from ..distributed import cp_linear_attention, cp_mixed_attention, cp_short_conv, halo
 from ..distributed.comm import gather_ints
 from ..distributed.group import CPGroup, resolve_group
-from ..ops import dispatch, linear_attention
+from ..ops import dispatch, linear_attention, window_attention
 from ..ops.varlen import check_cu_seqlens
 
 __all__ = ["CP_ALGORITHMS", "SequenceShard", "make_shard", "shard_attend", "shard_short_conv"]
 
 CP_ALGORITHMS = {"linear": "every feature map (psf_random, psf_learned, ...)",
-                 "mixed": "psf_mixed / mixed=True"}  # fmt: skip
+                 "mixed": "psf_mixed / mixed=True",
+                 "window": "sliding_window, and soft_hash_local's window branch"}  # fmt: skip
 """The attention algorithms (``AttentionCore.algorithm``) that run on a ``SequenceShard``."""
 
 
@@ -124,8 +128,8 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
             f"key_padding_mask on a context-parallel shard needs a linear attention without "
             f"packing, got attention={core.attention!r} ({core.algorithm})"
             + (" with cu_seqlens" if shard.cu_seqlens else "")
-            + ": mixed attention's block grid would start at each row's first real token "
-            "across ranks; pack documents with cu_seqlens instead of padding"
+            + ": mixed attention's block grid and the window would count each row's real "
+            "tokens across ranks; pack documents with cu_seqlens instead of padding"
         )
     if core.exact_degree is not None:
         raise ValueError(
@@ -163,6 +167,8 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
                 o = linear_attention(phi_q, phi_k, v, causal=True, **kw)
             else:
                 o = cp_linear_attention(phi_q, phi_k, v, group=shard.group, **kw)
+        elif core.algorithm == "window":
+            o = _window_on_shard(core, q, k, v, shard)
         else:  # mixed: no query rescaling, the local scores share the normalizer
             phi_q, phi_k = core._features(q, k, None, normalize=False)
             phi_q = core._global_queries(phi_q)
@@ -171,6 +177,37 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
                                    degree=core.degree, square=fm.square,
                                    denominator_offset=core.denominator_offset)  # fmt: skip
     return o.to(out_dtype)
+
+
+def _window_on_shard(core, q, k, v, shard: SequenceShard) -> torch.Tensor:
+    """Sliding-window attention of this shard's queries (B, H, T_r, ·) (module doc).
+
+    The w − 1 keys and values before the shard come from the previous ranks (one halo of
+    D + E channels; zeros on one process and before position 0), so the queries run as the
+    last T_r rows of ``window_attention`` on [halo; shard] (T_r + w − 1 rows, the halo's
+    query rows zero and dropped). Keys before position 0 are masked; packed, each query sees
+    its own document only (``segments``)."""
+    w, back = core.window, core.window - 1
+    b, h, t = q.shape[:3]
+    kv = torch.cat([k, v], dim=-1)
+    if shard.group is not None:
+        tail = halo(kv, back, group=shard.group)
+    else:
+        tail = kv.new_zeros(b, h, back, kv.shape[-1])
+    kf, vf = torch.cat([tail, kv], dim=-2).split([k.shape[-1], v.shape[-1]], dim=-1)
+    qf = torch.cat([q.new_zeros(b, h, back, q.shape[-1]), q], dim=-2)
+    pos = torch.arange(shard.start - back, shard.start + t, device=q.device)
+    visible = (pos >= 0).expand(b, 1, -1)  # (B, 1, T_r + w - 1): keys before 0 are not keys
+    segments = None
+    if shard.cu_seqlens is not None:
+        starts = torch.tensor(shard.cu_seqlens[:-1], device=q.device)
+        segments = torch.bucketize(pos.clamp_min(0), starts, right=True) - 1
+    kernel = core.spec.window_kernel
+    out = window_attention(qf, kf, vf, window=w, kernel=kernel,
+                           scale=core.softmax_scale if kernel == "softmax" else None,
+                           degree=core.degree, denominator_offset=core.denominator_offset,
+                           key_padding_mask=visible, segments=segments)  # fmt: skip
+    return out[..., back:, :]
 
 
 def shard_short_conv(conv, u: torch.Tensor, shard: SequenceShard, keep=None) -> torch.Tensor:

@@ -12,6 +12,9 @@ For queries and keys at positions 0..T−1 and a window w, query i sees the keys
                  κ_ij = (scale·q_i·k_j)^degree (scale = 1 by default; Eq. 1 of
                  PolySketchFormer restricted to the window).
 
+With ``segments`` (a document id per position, e.g. packed sequences or a context-parallel
+shard with its halo), W(i) also drops the keys of other documents: seg_j = seg_i.
+
 This is the local-only control of mixed attention (``ops.mixed``): the same exact local
 scores, nothing from farther back. ``window_attention`` computes it in O(T·w) time and
 memory by blocks of b = min(w, T) rows: block n of queries sees only key blocks n − 1 and n
@@ -37,8 +40,22 @@ __all__ = ["WINDOW_KERNELS", "window_attention", "naive_window_attention"]
 WINDOW_KERNELS = ("softmax", "polynomial")
 
 
-def _validate(q, k, v, window, kernel, scale, degree, offset, eps, key_padding_mask):
+def _validate(q, k, v, window, kernel, scale, degree, offset, eps, key_padding_mask,
+              segments=None):  # fmt: skip
     check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
+    if segments is not None:
+        if (
+            not isinstance(segments, torch.Tensor)
+            or segments.dtype == torch.bool
+            or (segments.is_floating_point() or segments.is_complex())
+        ):
+            raise TypeError("segments must be an integer tensor of document ids (T,) or None")
+        if segments.dim() != 1 or segments.shape[0] != k.shape[-2]:
+            raise ValueError(
+                f"segments must have shape (T,) = ({k.shape[-2]},), got {tuple(segments.shape)}"
+            )
+        if segments.device != k.device:
+            raise ValueError(f"segments is on {segments.device}, the inputs on {k.device}")
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(
             f"q and k must have the same length T (one query per key), got {q.shape[-2]} "
@@ -83,6 +100,7 @@ def window_attention(
     denominator_offset: float = 0.0,
     key_padding_mask: torch.Tensor | None = None,
     eps: float = DEFAULT_EPS,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal sliding-window attention (module docstring) in O(T·w), by blocks.
 
@@ -93,13 +111,15 @@ def window_attention(
         scale: multiplies q·k (default 1/√D for softmax, 1 for polynomial).
         degree, denominator_offset, eps: of the polynomial kernel (unused by softmax).
         key_padding_mask: bool of k.shape[:-1]'s rank (e.g. (B, 1, T)), True = keep.
+        segments: int (T,) document ids or None: a query sees only keys of its own document.
 
     Returns (..., T, E) in the dtype of q. Block b = min(w, T): query block n attends key
     blocks n−1 and n, scores (..., N, b, 2b): 2·T·b entries, never T×T.
     """
     window, kernel, scale, degree, offset, eps = _validate(
-        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask
-    )
+        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask,
+        segments,
+    )  # fmt: skip
     dtype, t = q.dtype, q.shape[-2]
     if t == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
@@ -130,6 +150,9 @@ def window_attention(
     rel = b + a[:, None] - c[None, :]  # i - j for query a of a block, key c of its pair
     band = (rel >= 0) & (rel < window)  # (b, 2b)
     mask = band & kept.unsqueeze(-2)  # (..., N, b, 2b)
+    if segments is not None:  # (N, b, 1) == (N, 1, 2b): the same document only
+        seg = blocks(segments.unsqueeze(-1), fill=-1)
+        mask = mask & (seg == with_previous(seg).transpose(-1, -2))
     logits = (qb @ kb.transpose(-1, -2)) * scale
     w = _weights(logits, mask, kernel, degree)
     out = _normalize(w @ vb, w.sum(-1, keepdim=True), kernel, offset, eps, cd)
@@ -148,18 +171,22 @@ def naive_window_attention(
     denominator_offset: float = 0.0,
     key_padding_mask: torch.Tensor | None = None,
     eps: float = DEFAULT_EPS,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``window_attention``: the (..., T, T) score matrix under the band mask
-    i − w < j <= i and the key mask, O(T²). Same arguments and result."""
+    i − w < j <= i, the key mask and seg_i = seg_j, O(T²). Same arguments and result."""
     window, kernel, scale, degree, offset, eps = _validate(
-        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask
-    )
+        q, k, v, window, kernel, scale, degree, denominator_offset, eps, key_padding_mask,
+        segments,
+    )  # fmt: skip
     dtype, t = q.dtype, q.shape[-2]
     cd = compute_dtype(dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     i = torch.arange(t, device=q.device)[:, None]
     j = torch.arange(t, device=q.device)[None, :]
     mask = (j <= i) & (j > i - window)
+    if segments is not None:
+        mask = mask & (segments[:, None] == segments[None, :])
     if key_padding_mask is not None:
         mask = mask & key_padding_mask.unsqueeze(-2)
         m = key_padding_mask.unsqueeze(-1)
