@@ -120,9 +120,12 @@ class SoftHashFeatureMap(FeatureMap):
         return float(self.log_temperature.detach().exp())
 
     def _logits(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        """τ · x W / √D: (..., D) -> (..., F); W is scaled first (D×F, not T×F, products)."""
+        """τ · x W / √D: (..., D) -> (..., F); W is scaled first (D×F, not T×F, products)
+        unless x has fewer rows than D (a decoding step)."""
         w = self.weight_k if key and not self.shared else self.weight_q
         scale = self.log_temperature.exp() / math.sqrt(self.dim)
+        if x.dim() >= 2 and x.shape[-2] < self.dim:
+            return (x @ w.to(x.dtype)) * scale.to(x.dtype)
         return x @ (w * scale).to(x.dtype)
 
     def _scaled(self, phi: torch.Tensor) -> torch.Tensor:

@@ -245,12 +245,19 @@ class WindowCache(_Cache):
         self.k, self.v = (gather_time(x, idx.clamp_min(0), dim=-2) for x in (k, v))
         self.keep = None if bool(keep.all()) else keep
 
-    def append(self, k, v, keep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def append(self, k, v, keep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Add ONE time step (k (B, H, 1, D), v, ``keep`` (B, 1) or None); return the window
-        each row's new query sees: keys, values (B, H, n, ·) and their mask (B, n)."""
+        each row's new query sees: keys, values (B, H, n, ·) and their mask (B, n), or None
+        when every row sees all n (no padding anywhere: the last min(t, w) keys)."""
         self.length += 1
         ks = k if self.k is None else torch.cat([self.k, k], dim=-2)
         vs = v if self.v is None else torch.cat([self.v, v], dim=-2)
+        if keep is None and self.keep is None:  # every key real: the last w are the window
+            n = ks.shape[-2]
+            if n > self.window:
+                ks, vs = ks[..., n - self.window :, :], vs[..., n - self.window :, :]
+            self.k, self.v = ks, vs
+            return ks, vs, None
         mask = _append_keep(self.keep, keep, ks.shape[-2] - 1, k)
         if mask is None:
             mask = torch.ones(ks.shape[0], ks.shape[-2], dtype=torch.bool, device=ks.device)

@@ -391,8 +391,10 @@ class AttentionCore(nn.Module):
     def _window_step(self, q, k, v, keep, cache, kernel, scale) -> torch.Tensor:
         """One new token against the window cache (the new key included)."""
         ks, vs, visible = cache.append(k, v, keep)
-        kpm = visible.unsqueeze(1)
+        kpm = None if visible is None else visible.unsqueeze(1)
         if kernel == "softmax":
+            if kpm is None:  # one query, every key visible: one SDPA call
+                return F.scaled_dot_product_attention(q, ks, vs, scale=scale)
             return softmax_attention(q, ks, vs, causal=False, scale=scale, key_padding_mask=kpm)
         return polynomial_attention(q, ks, vs, degree=self.degree, causal=False,
                                     denominator_offset=self.denominator_offset,

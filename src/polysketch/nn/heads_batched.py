@@ -115,8 +115,11 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
     if log_t is None:
         log_t = buffers["map.log_temperature"]
-    scale = log_t.exp() / math.sqrt(template.dim)
-    logits = x @ as_dtype(weight * scale[:, None, None], x.dtype)  # (..., H, T, D) @ (H, D, F)
+    scale = (log_t.exp() / math.sqrt(template.dim))[:, None, None]  # (H, 1, 1)
+    if x.shape[-2] < weight.shape[-2]:  # T < D (decoding): scale the T × F logits
+        logits = (x @ as_dtype(weight, x.dtype)) * as_dtype(scale, x.dtype)
+    else:  # scale W first: D × F products, not T × F
+        logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, F)
     phi = logits.softmax(-1)
     return phi if template.output_scale == 1.0 else phi * template.output_scale
 
