@@ -79,6 +79,32 @@ def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path, corpus, attenti
     assert straight["train"][-1]["loss"] < straight["train"][0]["loss"]
 
 
+def test_a_run_saved_before_a_config_field_existed_resumes(tmp_path, corpus):
+    """A checkpoint whose configs lack fields added since (here ``local_window``, ``pack``)
+    resumes as the same run with those fields at their defaults; a field that differs is
+    still refused."""
+    from polysketch.train import CheckpointError, save_checkpoint, saved_config
+
+    mc = tiny_model(attention="psf_random")
+    straight = train(mc, tiny_train(tmp_path / "a"), corpus, progress=False)
+    train(mc, tiny_train(tmp_path / "b"), corpus, progress=False, stop_after=3)
+    path = tmp_path / "b" / "ckpt.pt"
+    state = load_checkpoint(path, restore_rng=False)
+    assert state["model_config"].pop("local_window") is None
+    assert state["train_config"].pop("pack") is False
+    save_checkpoint(path, state)
+    old = load_checkpoint(path, restore_rng=False)
+    assert saved_config(TransformerConfig, old["model_config"])["local_window"] is None
+    resumed_config = TransformerConfig(**old["model_config"])  # as `train --resume` builds it
+    resumed = train(resumed_config, tiny_train(tmp_path / "b"), corpus, progress=False,
+                    resume=True)  # fmt: skip
+    assert torch.equal(_losses(resumed), _losses(straight))
+    train(mc, tiny_train(tmp_path / "c"), corpus, progress=False, stop_after=3)
+    with pytest.raises(CheckpointError, match="model_config differs"):
+        train(tiny_model(attention="psf_random", local_window=4), tiny_train(tmp_path / "c"),
+              corpus, progress=False, resume=True)  # fmt: skip
+
+
 def test_failing_save_leaves_previous_checkpoint_intact(tmp_path, corpus, monkeypatch):
     out = tmp_path / "run"
     mc = tiny_model()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from polysketch.eval.mqar_sweep import parse_attention
 from polysketch.nn import TransformerConfig
-from polysketch.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint, train
+from polysketch.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint, saved_config, train
 
 __all__ = [
     "ProbeSettings",
@@ -130,15 +130,13 @@ def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[d
     if not path.is_file():
         return None, 0
     state = load_checkpoint(path, restore_rng=False)
-    # a field added to a config since the run was saved takes its default (as load_model does)
-    saved_model = {**asdict(TransformerConfig()), **state.get("model_config", {})}
-    if saved_model != asdict(mcfg):
+    # a field added to a config since the run was saved takes its default (saved_config)
+    if saved_config(TransformerConfig, state.get("model_config", {})) != asdict(mcfg):
         raise ValueError(
             f"{path} holds another model; use another --runs folder or delete that run"
         )
-    defaults = asdict(TrainConfig())
-    saved = {k: v for k, v in {**defaults, **state.get("train_config", {})}.items()
-             if k != "out_dir"}  # fmt: skip
+    saved = saved_config(TrainConfig, state.get("train_config", {}))
+    saved = {k: v for k, v in saved.items() if k != "out_dir"}
     mine = {k: v for k, v in asdict(tcfg).items() if k != "out_dir"}
     saved["betas"], mine["betas"] = tuple(saved.get("betas", ())), tuple(mine["betas"])
     if saved != mine:

@@ -6,7 +6,8 @@
 - ``warmup_cosine``: the LambdaLR schedule; ``learning_rate``: its formula.
 - ``save_checkpoint`` / ``load_checkpoint``: atomic, checksummed checkpoints with RNG states,
   loaded without running code (``CheckpointError`` names a refused or damaged file);
-  ``load_model``: the ``TransformerLM`` a ``polysketch train`` checkpoint holds.
+  ``load_model``: the ``TransformerLM`` a ``polysketch train`` checkpoint holds;
+  ``saved_config``: a stored config with the defaults of fields added since it was saved.
 """
 
 from .batches import CorpusBatches, MQARBatches, MQARData
@@ -16,6 +17,7 @@ from .checkpoint import (
     load_model,
     rng_state,
     save_checkpoint,
+    saved_config,
     set_rng_state,
 )
 from .config import TrainConfig
@@ -42,4 +44,5 @@ __all__ = [
     "load_model",
     "rng_state",
     "set_rng_state",
+    "saved_config",
 ]

@@ -43,6 +43,7 @@ generate`` and the experiments in ``benchmarks/`` load trained models.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -69,6 +70,7 @@ __all__ = [
     "load_model",
     "state_digest",
     "remove_stale_temporaries",
+    "saved_config",
 ]
 
 CHECKPOINT_FORMAT = "polysketch.checkpoint"
@@ -327,6 +329,24 @@ def load_checkpoint(
     if device.type != "cpu":  # verified on the CPU, then moved (the RNG states stay there)
         state = {k: v if k == "rng" else _to_device(v, device) for k, v in state.items()}
     return state
+
+
+def saved_config(config_class, saved: Mapping) -> dict:
+    """A checkpoint's config dict (``model_config``, ``train_config``) with today's defaults
+    for the fields of the dataclass ``config_class`` that it predates.
+
+    A field added to ``TransformerConfig`` or ``TrainConfig`` defaults to the behaviour of
+    the releases before it (``local_window=None``, ``pack=False``, ...), so a run saved
+    before the field existed is the same run with that default: resuming or reusing it
+    compares this dict, not the stored one, with the current config.
+    """
+    defaults = {}
+    for f in dataclasses.fields(config_class):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return {**defaults, **saved}
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None):

@@ -56,7 +56,13 @@ from .batches import (
     make_batches,
     pack_separator,
 )
-from .checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    saved_config,
+)
 from .config import TrainConfig
 from .mesh import Layout
 from .schedule import warmup_cosine
@@ -333,7 +339,8 @@ class _Run:
         stretched to ``cfg.steps`` when the run is extended. ``CheckpointError`` when the
         checkpoint does not fit this run."""
         state = load_checkpoint(ckpt_path, map_location=device)
-        if state.get("model_config") != asdict(self.model_config):
+        saved = saved_config(TransformerConfig, state.get("model_config", {}))
+        if saved != asdict(self.model_config):  # a field added since: its default
             raise CheckpointError(
                 f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
                 "model_config (resume takes the checkpoint's)"
