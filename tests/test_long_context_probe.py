@@ -143,6 +143,32 @@ def test_train_model_reuses_a_finished_run_and_refuses_other_settings(tmp_path):
         train_model("softmax", data, settings, tmp_path / "run", progress=False)
 
 
+def test_train_model_extends_a_constant_schedule_run_to_more_steps(tmp_path):
+    """4 steps then extended to 6 == 6 steps straight (a constant schedule's learning rates do
+    not depend on the total); a cosine run, or fewer steps, is refused."""
+    from experiments.long_context.probe_training import ProbeSettings, train_model
+
+    data = _tiny_data()
+    short = ProbeSettings(n_layer=1, n_embd=16, n_head=2, chunk_size=8, context=32,
+                          batch_size=2, steps=4, warmup_steps=1)  # fmt: skip
+    long = ProbeSettings(**{**vars(short), "steps": 6})
+    train_model("psf_random", data, short, tmp_path / "run", progress=False)
+    seen = []
+    extended, facts = train_model("psf_random", data, long, tmp_path / "run", progress=False,
+                                  probe_every=1, on_probe=lambda m, s: seen.append(s))  # fmt: skip
+    assert not facts["reused"] and facts["steps"] == 6 and seen == [5]
+    straight, _ = train_model("psf_random", data, long, tmp_path / "straight", progress=False)
+    for a, b in zip(extended.state_dict().values(), straight.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="constant-schedule run extends"):
+        train_model("psf_random", data, short, tmp_path / "run", progress=False)  # fewer steps
+    cosine = ProbeSettings(**{**vars(short), "schedule": "cosine"})
+    train_model("psf_random", data, cosine, tmp_path / "cos", progress=False)
+    with pytest.raises(ValueError, match="constant-schedule run extends"):
+        train_model("psf_random", data, ProbeSettings(**{**vars(cosine), "steps": 6}),
+                    tmp_path / "cos", progress=False)  # fmt: skip
+
+
 def test_train_model_reuses_a_run_saved_before_a_config_field_existed(tmp_path):
     from experiments.long_context.probe_training import ProbeSettings, train_model
 

@@ -18,8 +18,10 @@ with the library's loop (AdamW, warmup + cosine, clipping, exact resume):
 cosine with ``min_lr = lr``); ``"cosine"`` decays to ``min_lr`` (default lr/10).
 
 Checkpoints go to ``run_dir`` every ``checkpoint_every`` steps; ``train_model`` reuses a
-finished one with the same configs (no training), and resumes an unfinished one, so a long
-table continues across sessions and tables share models.
+finished one with the same configs (no training), resumes an unfinished one, and extends a
+finished constant-schedule run to a larger ``steps`` (``--steps 600`` over a 400-step run
+trains 200 steps: the same weights as 600 straight), so a long table continues across
+sessions and tables share models.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from polysketch.eval.mqar_sweep import parse_attention
+from polysketch.eval.attention_spec import parse_attention
 from polysketch.nn import TransformerConfig
 from polysketch.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint, saved_config, train
 
@@ -126,7 +128,9 @@ def train_config(
 def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[dict | None, int]:
     """(the checkpoint at ``path`` if it holds a finished run of exactly these configs, the
     step it reached); (None, 0) without one. Another model or other settings are refused; a
-    config field the checkpoint predates counts as its default."""
+    config field the checkpoint predates counts as its default. A run of a constant schedule
+    (min_lr = lr) saved with fewer ``steps`` is extended: its learning rates do not depend on
+    the total, so continuing it is the longer run (a cosine one is refused)."""
     if not path.is_file():
         return None, 0
     state = load_checkpoint(path, restore_rng=False)
@@ -139,9 +143,17 @@ def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[d
     saved = {k: v for k, v in saved.items() if k != "out_dir"}
     mine = {k: v for k, v in asdict(tcfg).items() if k != "out_dir"}
     saved["betas"], mine["betas"] = tuple(saved.get("betas", ())), tuple(mine["betas"])
+    constant = saved["min_lr"] == saved["lr"]
+    extends = constant and saved["steps"] < mine["steps"]
+    if extends:
+        saved["steps"] = mine["steps"]
     if saved != mine:
+        why = ""
+        if saved["steps"] != mine["steps"] and {**saved, "steps": 0} == {**mine, "steps": 0}:
+            why = (" (its steps differ: a constant-schedule run extends to more steps; a "
+                   "cosine one, or fewer steps, cannot)")  # fmt: skip
         raise ValueError(
-            f"{path} was trained with other settings; use another --runs folder or delete it"
+            f"{path} was trained with other settings{why}; use another --runs folder or delete it"
         )
     step = int(state["step"])
     return (state if step >= tcfg.steps else None), step
