@@ -37,10 +37,14 @@ def _train_config(**kw) -> TrainConfig:
 
 
 def _corpus(tmp):
+    """The corpus file, written by whichever rank comes first: to a file of its own, then
+    renamed, so another rank never reads it half written (it did: "0 tokens")."""
     path = os.path.join(tmp, "corpus.txt")
     if not os.path.exists(path):
-        with open(path, "w") as fh:
+        part = f"{path}.{os.getpid()}.tmp"
+        with open(part, "w") as fh:
             fh.write(TEXT)
+        os.replace(part, path)
     return load_corpus(path)
 
 
