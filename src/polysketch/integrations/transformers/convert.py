@@ -259,23 +259,35 @@ def _install_generate_cache(model: nn.Module, core: PolysketchAttention, window:
         model.__dict__.pop("_prepare_cache_for_generation", None)
         return
 
+    key = _generate_cache_key()
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         default = (
-            model_kwargs.get("past_key_values") is None
+            model_kwargs.get(key) is None
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
         )
         if default and core.uses_state_cache:
-            model_kwargs["past_key_values"] = PolysketchCache(self)
+            model_kwargs[key] = PolysketchCache(self)
         elif default and window:  # the window is dropped: keep every key and value
             from transformers import DynamicCache
 
-            model_kwargs["past_key_values"] = DynamicCache()
+            model_kwargs[key] = DynamicCache()
         out = cls_method(self, generation_config, model_kwargs, *args, **kwargs)
-        check_cache(model_kwargs.get("past_key_values"), core)
+        check_cache(model_kwargs.get(key), core)
         return out
 
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+
+
+def _generate_cache_key() -> str:
+    """The ``model_kwargs`` key under which ``generate`` keeps its cache: ``past_key_values``
+    up to transformers 5.23, ``cache`` from 5.24 (which deprecates ``past_key_values``); the
+    first of ``transformers.generation.utils.ALL_CACHE_NAMES`` in both."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", None)
+    return names[0] if names else "past_key_values"
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
