@@ -182,8 +182,8 @@ def check_cache(cache, core: PolysketchAttention, layer_idx: int | None = None) 
             raise ValueError(
                 f"attention={core.attention!r} decodes from a constant-size state: it cannot use "
                 f"a {name} (its keys and values are not what this attention reads); pass "
-                "past_key_values=PolysketchCache(model), or leave cache_implementation unset "
-                "so generate() makes one"
+                "past_key_values=PolysketchCache(model) (cache= from transformers 5.24), or "
+                "leave cache_implementation unset so generate() makes one"
             )
         return
     if not plain or any(type(layer) is not DynamicLayer for layer in cache.layers):
