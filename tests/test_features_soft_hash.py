@@ -141,3 +141,21 @@ def test_output_scale_multiplies_the_scores_by_its_square_and_seeds_the_learned_
                             chunk_size=4, num_features=8, output_scale=10.0)  # fmt: skip
     assert torch.allclose(layer.log_balance, torch.full((2,), 2 * math.log(10.0)))
     assert layer.feature_map.head_map(0).output_scale == 1.0  # moved into the balance
+
+
+@pytest.mark.parametrize("t", [1, 3, D, 11])
+def test_logits_scaled_before_or_after_the_product_match_the_naive_map(t):
+    """Fewer rows than D (a decoding step) scale the T×F logits, more rows scale W: both
+    equal softmax(τ·xW/√D), values and gradients (x, W, log τ)."""
+    fm = _randomized(5)
+    x = (torch.randn(2, t, D, dtype=torch.float64) * 2).requires_grad_()
+    for role, w in (("query", fm.weight_q), ("key", fm.weight_k)):
+        ours = getattr(fm, role)(x)
+        ref = torch.softmax(x @ w * (fm.log_temperature.exp() / math.sqrt(D)), dim=-1)
+        assert (ours - ref).abs().max() <= 1e-13
+        g = torch.randn_like(ref)
+        params = (x, w, fm.log_temperature)
+        g1 = torch.autograd.grad((ours * g).sum(), params)
+        g2 = torch.autograd.grad((ref * g).sum(), params)
+        for a, b in zip(g1, g2, strict=True):
+            assert (a - b).abs().max() <= 1e-12 * b.abs().max()

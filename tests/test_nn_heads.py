@@ -197,6 +197,25 @@ def test_batched_heads_form_equals_the_vmapped_map(name, kw):
     assert fast.dtype == torch.float32 and (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
 
 
+def test_batched_soft_hash_one_row_equals_the_row_of_a_long_input():
+    """soft_hash scales the T×F logits for T < D and W otherwise: a decoding step's one row
+    equals that row computed among more than D rows, values and gradients."""
+    mh = MultiHeadFeatureMap("soft_hash", D, H, seed=2, num_features=7).double()
+    long = torch.randn(2, H, D + 3, D, dtype=torch.float64, requires_grad=True)
+    row = long.detach()[..., 4:5, :].clone().requires_grad_()
+    for role in ("query", "key"):
+        many, one = getattr(mh, role)(long), getattr(mh, role)(row)
+        assert (many[..., 4:5, :] - one).abs().max() <= 1e-14
+        w = torch.randn_like(one)
+        params = list(mh.parameters())
+        g_many = torch.autograd.grad((many[..., 4:5, :] * w).sum(), params, allow_unused=True)
+        g_one = torch.autograd.grad((one * w).sum(), params, allow_unused=True)
+        for a, b in zip(g_many, g_one, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a - b).abs().max() <= 1e-12 * b.abs().max().clamp_min(1e-300)
+
+
 def test_batched_sketch_follows_redraws_and_moves():
     """The composed sketch matrices kept between decoding calls are rebuilt when the buffers
     change (redraw, load_state_dict, .to()) and never leak into autograd."""
