@@ -365,11 +365,16 @@ class AttentionCore(nn.Module):
             cache.prefill(k, phi_k, v, lengths)
         return out if inverse is None else gather_time(out, inverse, dim=-2)
 
-    def _window(self, q, k, v, keep, cache) -> torch.Tensor:
+    def window_options(self) -> dict:
+        """The keywords of ``ops.window_attention`` for this (window) core: kernel, scale,
+        degree, denominator_offset (also used on sequence shards, ``nn.sharding``)."""
         kernel = self.spec.window_kernel
-        scale = self.softmax_scale if kernel == "softmax" else None
-        kw = dict(kernel=kernel, scale=scale, degree=self.degree,
-                  denominator_offset=self.denominator_offset)  # fmt: skip
+        return dict(kernel=kernel, scale=self.softmax_scale if kernel == "softmax" else None,
+                    degree=self.degree, denominator_offset=self.denominator_offset)  # fmt: skip
+
+    def _window(self, q, k, v, keep, cache) -> torch.Tensor:
+        kw = self.window_options()
+        kernel, scale = kw["kernel"], kw["scale"]
         if cache is not None and cache.length > 0:  # one token at a time
             outs = []
             for i in range(q.shape[-2]):

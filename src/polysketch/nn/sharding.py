@@ -202,11 +202,8 @@ def _window_on_shard(core, q, k, v, shard: SequenceShard) -> torch.Tensor:
     if shard.cu_seqlens is not None:
         starts = torch.tensor(shard.cu_seqlens[:-1], device=q.device)
         segments = torch.bucketize(pos.clamp_min(0), starts, right=True) - 1
-    kernel = core.spec.window_kernel
-    out = window_attention(qf, kf, vf, window=w, kernel=kernel,
-                           scale=core.softmax_scale if kernel == "softmax" else None,
-                           degree=core.degree, denominator_offset=core.denominator_offset,
-                           key_padding_mask=visible, segments=segments)  # fmt: skip
+    out = window_attention(qf, kf, vf, window=w, key_padding_mask=visible, segments=segments,
+                           **core.window_options())  # fmt: skip
     return out[..., back:, :]
 
 
