@@ -79,8 +79,12 @@ class SequenceShard:
         if self.cu_seqlens is None:
             return pos
         starts = torch.tensor(self.cu_seqlens[:-1], device=device)
-        doc = torch.bucketize(pos, starts, right=True) - 1  # last start <= p
-        return pos - starts[doc]
+        return pos - starts[self.documents(pos)]
+
+    def documents(self, pos: torch.Tensor) -> torch.Tensor:
+        """The document index of each global position ``pos`` >= 0 (packed shards only)."""
+        starts = torch.tensor(self.cu_seqlens[:-1], device=pos.device)
+        return torch.bucketize(pos, starts, right=True) - 1  # the last start <= p
 
 
 def make_shard(
@@ -198,10 +202,7 @@ def _window_on_shard(core, q, k, v, shard: SequenceShard) -> torch.Tensor:
     qf = torch.cat([q.new_zeros(b, h, back, q.shape[-1]), q], dim=-2)
     pos = torch.arange(shard.start - back, shard.start + t, device=q.device)
     visible = (pos >= 0).expand(b, 1, -1)  # (B, 1, T_r + w - 1): keys before 0 are not keys
-    segments = None
-    if shard.cu_seqlens is not None:
-        starts = torch.tensor(shard.cu_seqlens[:-1], device=q.device)
-        segments = torch.bucketize(pos.clamp_min(0), starts, right=True) - 1
+    segments = None if shard.cu_seqlens is None else shard.documents(pos.clamp_min(0))
     out = window_attention(qf, kf, vf, window=w, key_padding_mask=visible, segments=segments,
                            **core.window_options())  # fmt: skip
     return out[..., back:, :]
