@@ -159,3 +159,49 @@ def test_logits_scaled_before_or_after_the_product_match_the_naive_map(t):
         g2 = torch.autograd.grad((ref * g).sum(), params)
         for a, b in zip(g1, g2, strict=True):
             assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+
+
+# ----- product buckets (factors = m > 1, Eqs. 3–4) ---------------------------------------------
+def test_product_buckets_are_the_kronecker_product_of_m_softmaxes():
+    for m, f in ((2, 9), (3, 8)):
+        fm = SoftHashFeatureMap(D, num_features=f, factors=m, seed=m).double()
+        b = fm.buckets
+        assert b**m == f and fm.weight_q.shape == (D, m * b) and fm.feature_dim == f
+        x = torch.randn(7, D, dtype=torch.float64) * 2
+        u = x @ fm.weight_q * (fm.temperature / math.sqrt(D))
+        parts = [torch.softmax(u[:, i * b : (i + 1) * b], -1) for i in range(m)]
+        ref = parts[0]
+        for p in parts[1:]:  # f_1 slowest: row-major Kronecker product
+            ref = torch.stack([torch.kron(r, q) for r, q in zip(ref, p, strict=True)])
+        assert torch.allclose(fm.query(x), ref, rtol=1e-12, atol=0)
+        assert torch.allclose(fm.key(x).sum(-1), torch.ones(7, dtype=torch.float64))
+
+
+def test_product_bucket_scores_are_the_product_of_collision_probabilities():
+    fm = SoftHashFeatureMap(D, num_features=16, factors=2, seed=4).double()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        fm.weight_k.copy_(torch.randn(fm.weight_k.shape, generator=g, dtype=torch.float64))
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    y = torch.randn(2, 5, D, dtype=torch.float64)
+    s = fm.approx_kernel(x, y)
+    assert torch.allclose(s, fm.target_kernel(x, y), rtol=1e-12, atol=1e-300)
+    tau = fm.temperature / math.sqrt(D)
+    uq, uk = x @ fm.weight_q * tau, y @ fm.weight_k * tau
+    pq, pk = (torch.softmax(u.unflatten(-1, (2, 4)), -1) for u in (uq, uk))
+    collide = [pq[..., i, :] @ pk[..., i, :].transpose(-1, -2) for i in (0, 1)]
+    assert torch.allclose(s, collide[0] * collide[1], rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"num_features": 10, "factors": 2}, ValueError, "num_features=10"),
+        ({"num_features": 9, "factors": 3}, ValueError, "num_features=9"),
+        ({"num_features": 9, "factors": 0}, ValueError, "factors"),
+        ({"num_features": 9, "factors": 2.0}, TypeError, "factors"),
+    ],
+)
+def test_product_bucket_arguments_name_themselves(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        features.create("soft_hash", D, **kwargs)

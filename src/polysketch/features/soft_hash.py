@@ -25,11 +25,26 @@ The init matters for that: W is Gaussian N(0, 1) and τ starts at 4, so on Layer
 on a few buckets (Hedgehog's semi-orthogonal W starts near the uniform distribution when F ≫
 D, and learned nothing on the probe).
 
-The target kernel is the map's own (2), computed in log space as
-``exp(logsumexp_f(log φq + log φk))`` (no feature map is imitated; ``family = "own"``).
-Parameters: ``weight_q`` (D, F), ``weight_k`` (D, F) unless ``shared`` (both start from the
-same draw), ``log_temperature`` (a scalar, a buffer when ``learn_temperature=False``); stored
-float32, cast to the input's compute dtype at use.
+**Product buckets** (``factors = m > 1``, F = B^m): m soft hashes of B buckets each, with
+their own directions W = [W_1 … W_m] ∈ R^{D×mB}, and a query or key lands in the bucket
+(f_1, …, f_m) of the product:
+
+    φ(x) = φ_1(x) ⊗ … ⊗ φ_m(x),     φ_i(x) = softmax( τ · x W_i / √D ) ∈ Δ^B,              (3)
+
+flattened with f_1 slowest (the Kronecker product), so that
+
+    s(q, k) = Π_i φq_i(q) · φk_i(k)                                                       (4)
+
+is the probability that q and k collide in all m hashes: LSH's AND-construction. The features
+and the decode state keep F = B^m entries, but the projection is D × mB instead of D × F
+(64 × 46 instead of 64 × 529 for B = 23, m = 2), and F = B^m buckets cost only m·B softmax
+entries per token. ``factors=1`` is (1)–(2).
+
+The target kernel is the map's own (2) or (4), computed in log space as
+``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
+"own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
+start from the same draw), ``log_temperature`` (a scalar, a buffer when
+``learn_temperature=False``); stored float32, cast to the input's compute dtype at use.
 """
 
 from __future__ import annotations
@@ -43,7 +58,31 @@ from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
 from .base import FeatureMap, Hyperparameter, register
 
-__all__ = ["SoftHashFeatureMap"]
+__all__ = ["SoftHashFeatureMap", "product_softmax"]
+
+
+def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
+    """φ_1 ⊗ … ⊗ φ_m (Eq. 3) of logits (..., m·B), φ_i = softmax of the i-th B: -> (..., B^m),
+    f_1 slowest; ``factors=1``: the plain softmax (Eq. 1)."""
+    if factors == 1:
+        return logits.softmax(-1)
+    parts = logits.unflatten(-1, (factors, -1)).softmax(-1).unbind(-2)
+    phi = parts[0]
+    for p in parts[1:]:  # (..., F_so_far) ⊗ (..., B) -> (..., F_so_far · B)
+        phi = (phi.unsqueeze(-1) * p.unsqueeze(-2)).flatten(-2)
+    return phi
+
+
+def _root(f: int, m: int) -> int:
+    """B with B^m = f and B >= 2, or a ValueError naming num_features."""
+    b = round(f ** (1.0 / m))
+    for cand in (b - 1, b, b + 1):
+        if cand >= 2 and cand**m == f:
+            return cand
+    raise ValueError(
+        f"num_features={f} must be B**factors for an integer B >= 2 (factors={m}), e.g. "
+        f"{max(2, b) ** m}"
+    )
 
 
 @register("soft_hash")
@@ -53,6 +92,8 @@ class SoftHashFeatureMap(FeatureMap):
     Args:
         dim: D. num_features: F ≥ 2, the number of buckets (default 4D).
         temperature: τ's initial value, > 0 (default 4).
+        factors: m ≥ 1; with m > 1 the buckets are the product of m soft hashes of B buckets
+            each (Eqs. 3–4), and num_features must be B^m for an integer B ≥ 2.
         learn_temperature: τ is trained (a parameter) or fixed (a buffer).
         shared: one W for queries and keys (a symmetric kernel); default separate W_q, W_k.
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
@@ -68,6 +109,7 @@ class SoftHashFeatureMap(FeatureMap):
     hyperparameters = {
         "num_features": Hyperparameter(None, "F >= 2, the number of buckets (None: 4D)"),
         "temperature": Hyperparameter(4.0, "initial τ > 0 of softmax(τ·xW/√D)"),
+        "factors": Hyperparameter(1, "m >= 1: F = B^m product buckets of m soft hashes"),
         "learn_temperature": Hyperparameter(True, "τ is a parameter (else a buffer)"),
         "shared": Hyperparameter(False, "one W for queries and keys"),
         "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features (scores × c²)"),
@@ -81,6 +123,7 @@ class SoftHashFeatureMap(FeatureMap):
         *,
         num_features: int | None = None,
         temperature: float = 4.0,
+        factors: int = 1,
         learn_temperature: bool = True,
         shared: bool = False,
         output_scale: float = 1.0,
@@ -93,6 +136,8 @@ class SoftHashFeatureMap(FeatureMap):
         )
         if self.num_features < 2:
             raise ValueError(f"num_features must be >= 2 buckets, got {self.num_features}")
+        self.factors = check_positive_int(factors, "factors")
+        self.buckets = _root(self.num_features, self.factors)  # B: F = B^m
         temperature = check_float(temperature, "temperature", minimum=0.0, strict_minimum=True)
         for name, flag in (("learn_temperature", learn_temperature), ("shared", shared)):
             if not isinstance(flag, bool):
@@ -101,7 +146,8 @@ class SoftHashFeatureMap(FeatureMap):
         self.output_scale = check_float(
             output_scale, "output_scale", minimum=0.0, strict_minimum=True
         )
-        w = gaussian(self.dim, self.num_features, generator=make_generator(seed, generator))
+        columns = self.factors * self.buckets  # [W_1 … W_m], each D × B
+        w = gaussian(self.dim, columns, generator=make_generator(seed, generator))
         self.weight_q = nn.Parameter(w.float().clone())
         self.weight_k = None if shared else nn.Parameter(w.float().clone())
         log_t = torch.tensor(math.log(temperature), dtype=torch.float32)
@@ -120,7 +166,7 @@ class SoftHashFeatureMap(FeatureMap):
         return float(self.log_temperature.detach().exp())
 
     def _logits(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        """τ · x W / √D: (..., D) -> (..., F); W is scaled first (D×F, not T×F, products)
+        """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
         unless x has fewer rows than D (a decoding step)."""
         w = self.weight_k if key and not self.shared else self.weight_q
         scale = self.log_temperature.exp() / math.sqrt(self.dim)
@@ -131,23 +177,29 @@ class SoftHashFeatureMap(FeatureMap):
     def _scaled(self, phi: torch.Tensor) -> torch.Tensor:
         return phi if self.output_scale == 1.0 else phi * self.output_scale
 
+    def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+        return self._scaled(product_softmax(self._logits(x, key), self.factors))
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scaled(self._logits(x, False).softmax(-1))
+        return self._features(x, False)
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scaled(self._logits(x, True).softmax(-1))
+        return self._features(x, True)
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """c² Σ_f P(x → f) P(y → f) (Eq. 2 × output_scale²), in log space:
+        """c² Π_i Σ_f P_i(x → f) P_i(y → f) (Eqs. 2 and 4 × output_scale²), in log space:
         (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
         y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
-        log_q = self._logits(x, False).log_softmax(-1).unsqueeze(-2)  # (..., Tx, 1, F)
-        log_k = self._logits(y, True).log_softmax(-1).unsqueeze(-3)  # (..., 1, Ty, F)
-        return torch.logsumexp(log_q + log_k, dim=-1).exp() * self.output_scale**2
+        lq = self._logits(x, False).unflatten(-1, (self.factors, self.buckets))
+        lk = self._logits(y, True).unflatten(-1, (self.factors, self.buckets))
+        log_q = lq.log_softmax(-1).unsqueeze(-3)  # (..., Tx, 1, m, B)
+        log_k = lk.log_softmax(-1).unsqueeze(-4)  # (..., 1, Ty, m, B)
+        log_s = torch.logsumexp(log_q + log_k, dim=-1).sum(-1)  # Σ_i log P(collide in i)
+        return log_s.exp() * self.output_scale**2
 
     def extra_repr(self) -> str:
         return (
-            f"dim={self.dim}, num_features={self.num_features}, "
+            f"dim={self.dim}, num_features={self.num_features}, factors={self.factors}, "
             f"temperature={self.temperature:.4g}, shared={self.shared}"
         )

@@ -11,7 +11,8 @@ the map's own code:
 * ``polysketch`` with ``projection="gaussian"`` (the tree of Ahle et al., any degree; the
   psf presets) or ``"product"``: ``PolySketch._sketch`` with a head axis;
 * ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale;
-* ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale.
+* ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale (or the product of ``factors``
+  softmaxes, ``features.soft_hash.product_softmax``).
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
 as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
@@ -31,7 +32,7 @@ from .._checks import as_dtype
 from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
 from ..features.polysketch import PolySketch
-from ..features.soft_hash import SoftHashFeatureMap
+from ..features.soft_hash import SoftHashFeatureMap, product_softmax
 
 __all__ = ["batched_form"]
 
@@ -109,7 +110,8 @@ def _hedgehog(template: HedgehogFeatureMap, params, buffers, x, role, memo):
 
 
 def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
-    """softmax(x (τ_h W_h / √D)) · c with W_h = the key weights for keys (unless shared)."""
+    """softmax(x (τ_h W_h / √D)) · c (of each of the m factors, then their Kronecker product)
+    with W_h = the key weights for keys (unless shared)."""
     which = "k" if role == "key" and not template.shared else "q"
     weight = params[f"map.weight_{which}"]  # (H, D, F)
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
@@ -119,8 +121,8 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     if x.shape[-2] < weight.shape[-2]:  # T < D (decoding): scale the T × F logits
         logits = (x @ as_dtype(weight, x.dtype)) * as_dtype(scale, x.dtype)
     else:  # scale W first: D × F products, not T × F
-        logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, F)
-    phi = logits.softmax(-1)
+        logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
+    phi = product_softmax(logits, template.factors)
     return phi if template.output_scale == 1.0 else phi * template.output_scale
 
 
