@@ -35,7 +35,8 @@ GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive",
 @pytest.mark.parametrize(
     "attention,kw",
     [(a, {}) for a in GEN + ["psf_learned"]]
-    + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})],
+    + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})]
+    + [("soft_hash", {"local_window": 4, "local_shared": True, "short_conv": 2, "qk_dim": 4})],
 )
 def test_greedy_generate_equals_full_forward_argmax(attention, kw):
     model = _model(attention, **kw).double()
@@ -239,3 +240,81 @@ def test_local_window_caches_select_rows_in_both_branches():
     full, _ = model(idx[[1, 1, 0]])
     torch.testing.assert_close(step[:, 0], full[:, 8], rtol=1e-9, atol=1e-10)
     assert all(c.length == 9 for c in caches)
+
+
+# ----- the window branch on the attention's projections (local_shared) ------------------------
+def _shared_and_unshared(attention="soft_hash", **kw):
+    """A local_shared model and the unshared model whose local q/k/v and output projections
+    are copies of the global ones: the same function."""
+    shared = _model(attention, local_window=4, local_shared=True, **kw).double()
+    plain = _model(attention, local_window=4, **kw).double()
+    state = shared.state_dict()
+    copied = {
+        name: state[name.replace("local_attn.", "attn.")] if ".local_attn.qkv." in name
+        or ".local_attn.out_proj." in name else state[name]
+        for name in plain.state_dict()
+    }  # fmt: skip
+    plain.load_state_dict(copied)
+    return shared, plain
+
+
+@pytest.mark.parametrize("kw", [{}, {"short_conv": 2}])
+def test_local_shared_equals_the_unshared_layer_with_equal_projections_values_and_grads(kw):
+    shared, plain = _shared_and_unshared(**kw)
+    assert shared.blocks[0].local_attn.qkv is None and shared.blocks[0].local_attn.out_proj is None
+    n_shared = sum(p.numel() for p in shared.parameters())
+    assert n_shared < sum(p.numel() for p in plain.parameters())
+    idx = torch.randint(0, V, (2, 13))
+    targets = torch.randint(0, V, (2, 13))
+    (ls, loss_s), (lp, loss_p) = shared(idx, targets), plain(idx, targets)
+    torch.testing.assert_close(ls, lp, rtol=1e-12, atol=1e-12)
+    loss_s.backward()
+    loss_p.backward()
+    grads = dict(plain.named_parameters())
+    for name, p in shared.named_parameters():
+        want = grads[name].grad
+        if ".attn.qkv." in name or ".attn.out_proj." in name:  # both branches' share
+            want = want + grads[name.replace(".attn.", ".local_attn.")].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-12)
+
+
+def test_local_shared_decodes_packs_and_ablates_like_the_unshared_layer():
+    from polysketch.nn import ablate_global
+
+    shared, plain = _shared_and_unshared()
+    idx = torch.randint(0, V, (2, 12))
+    caches = shared.new_caches()
+    steps = [shared(idx[:, :7], caches=caches)[0]]
+    steps += [shared(idx[:, t : t + 1], caches=caches)[0] for t in range(7, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), plain(idx)[0], rtol=1e-9, atol=1e-10)
+    cu = [0, 5, 12]
+    torch.testing.assert_close(shared(idx, cu_seqlens=cu)[0], plain(idx, cu_seqlens=cu)[0])
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[0, :3] = False
+    torch.testing.assert_close(shared(idx, key_padding_mask=keep)[0],
+                               plain(idx, key_padding_mask=keep)[0])  # fmt: skip
+    with ablate_global(shared), ablate_global(plain):
+        torch.testing.assert_close(shared(idx)[0], plain(idx)[0])
+    assert shared.decode_state_size(12) == plain.decode_state_size(12)
+
+
+def test_local_shared_configs_and_refusals():
+    from polysketch.nn import KernelAttention
+
+    with pytest.raises(ValueError, match="local_shared"):
+        TransformerLM(TransformerConfig(attention="psf_random", local_shared=True))
+    with pytest.raises(TypeError, match="local_shared"):
+        TransformerLM(TransformerConfig(attention="psf_random", local_window=3, local_shared=1))
+    assert not TransformerConfig(attention="soft_hash_local").shares_projections()
+    assert TransformerConfig(attention="psf_random", local_window=3,
+                             local_shared=True).shares_projections()  # fmt: skip
+    branch = KernelAttention(16, 2, attention="sliding_window", window=3, projections=False)
+    with pytest.raises(RuntimeError, match="attend_projected"):
+        branch(torch.randn(1, 4, 16))
+    with pytest.raises(ValueError, match="qkv"):
+        branch.attend_projected(torch.randn(1, 4, 40))
+    with pytest.raises(ValueError, match="short_conv"):
+        KernelAttention(16, 2, attention="sliding_window", window=3, projections=False,
+                        short_conv=2)  # fmt: skip
+    with pytest.raises(TypeError, match="projections"):
+        KernelAttention(16, 2, projections=1)

@@ -70,6 +70,10 @@ class KernelAttention(AttentionCore):
             the map before them; ``psf_mixed`` is this with the psf_random sketch).
         learn_balance: mixed attention's learned per-head balance β_h (``AttentionCore``).
         window: w of ``attention="sliding_window"``.
+        projections: own the q/k/v and output projections (and the short convolution).
+            ``False``: a branch that attends with another layer's projections
+            (``attend_projected``; ``TransformerConfig.local_shared``); ``forward`` then
+            raises.
         **map_kwargs: keywords of the feature map (override the preset / defaults).
 
     ``hybrid_clustered`` needs its clusters first: ``layer.feature_map.fit_(q, k)`` with
@@ -96,6 +100,7 @@ class KernelAttention(AttentionCore):
         mixed: bool = False,
         learn_balance: bool = False,
         window: int | None = None,
+        projections: bool = True,
         **map_kwargs,
     ):
         embed_dim = check_positive_int(embed_dim, "embed_dim")
@@ -107,7 +112,7 @@ class KernelAttention(AttentionCore):
         short_conv = check_int(short_conv, "short_conv", minimum=0)
         if short_conv == 1:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
-        for name, value in (("rope", rope), ("bias", bias)):
+        for name, value in (("rope", rope), ("bias", bias), ("projections", projections)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
         if denominator_offset is not None:
@@ -121,9 +126,12 @@ class KernelAttention(AttentionCore):
         self.embed_dim, self.head_dim, self.short_conv = embed_dim, head_dim, short_conv
         e, h = self.embed_dim, self.num_heads
         self._split = (h * self.qk_dim, h * self.qk_dim, e)  # q, k, v columns of qkv
-        self.qkv = nn.Linear(e, sum(self._split), bias=bias)
+        if not projections and short_conv:
+            raise ValueError("short_conv needs projections=True (the convolution is part of "
+                             "the projections a shared branch does not own)")  # fmt: skip
+        self.qkv = nn.Linear(e, sum(self._split), bias=bias) if projections else None
         self.conv = ShortConv(sum(self._split), self.short_conv) if self.short_conv else None
-        self.out_proj = nn.Linear(e, e, bias=bias)
+        self.out_proj = nn.Linear(e, e, bias=bias) if projections else None
         self.q_norm = nn.LayerNorm(self.qk_dim) if self.spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.qk_dim) if self.spec.qk_norm else None
         self.rotary = RotaryEmbedding(self.qk_dim) if rope else None
@@ -159,10 +167,34 @@ class KernelAttention(AttentionCore):
         each document); with a key padding mask (linear attentions on a cp shard) padding
         is removal across ranks as on one process; refused with a cache.
         """
+        if self.qkv is None:
+            raise RuntimeError("this branch has no projections of its own (projections="
+                               "False): call attend_projected with its layer's q/k/v")  # fmt: skip
         x = check_tensor(x, "x", min_dim=3)
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must have shape (B, T, E={self.embed_dim}), got {tuple(x.shape)}")
-        b, t, _ = x.shape
+        o = self.attend_projected(self.qkv(x), key_padding_mask=key_padding_mask, cache=cache,
+                                  shard=shard)  # fmt: skip
+        return self.out_proj(self.merge_heads(o))
+
+    def attend_projected(
+        self,
+        qkv: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        cache=None,
+        shard: SequenceShard | None = None,
+    ) -> torch.Tensor:
+        """The attention of ``forward`` from its projection: qkv = x W_qkv (B, T, H·(2·D_qk +
+        D)) -> the heads' outputs O (B, H, T, D), before the output projection (short
+        convolution, q/k norm, RoPE and the core run here; the arguments as ``forward``'s).
+        Two branches of one layer that share their projections call it on the same qkv
+        (``TransformerConfig.local_shared``)."""
+        qkv = check_tensor(qkv, "qkv", min_dim=3)
+        if qkv.dim() != 3 or qkv.shape[-1] != sum(self._split):
+            raise ValueError(f"qkv must have shape (B, T, {sum(self._split)}), got "
+                             f"{tuple(qkv.shape)}")  # fmt: skip
+        b, t, _ = qkv.shape
         keep = key_padding_mask
         if keep is not None:
             if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
@@ -179,8 +211,7 @@ class KernelAttention(AttentionCore):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache())")
 
         if shard is not None:
-            return self._forward_shard(x, shard, keep, cache)
-        qkv = self.qkv(x)
+            return self._attend_shard(qkv, shard, keep, cache)
         if self.conv is not None:
             tail = None if cache is None or cache.length == 0 else cache.conv_tail
             qkv, new_tail = self.conv(qkv, keep=keep, tail=tail)
@@ -195,16 +226,20 @@ class KernelAttention(AttentionCore):
             q, k = self._rotate(q.to(acc), k.to(acc), keep, cache)
         elif cache is not None:
             self._advance_positions(keep, cache, t)
-        o = self.attend(q, k, v, keep=keep, cache=cache, dtype=work)
-        return self.out_proj(o.transpose(1, 2).flatten(2))  # (B, H, T, D) -> (B, T, H·D)
+        return self.attend(q, k, v, keep=keep, cache=cache, dtype=work)
+
+    @staticmethod
+    def merge_heads(o: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) -> (B, T, H·D), the output projection's input."""
+        return o.transpose(1, 2).flatten(2)
 
     def _heads(self, part: torch.Tensor) -> torch.Tensor:
         """(B, T, H·D) -> (B, H, T, D), a view (plain torch: einops costs ~10 µs a call, which
         a one-token decoding step feels four times per layer)."""
         return part.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
-    def _forward_shard(self, x, shard: SequenceShard, keep, cache) -> torch.Tensor:
-        """``forward`` on a sequence shard (``polysketch.nn.sharding``)."""
+    def _attend_shard(self, qkv, shard: SequenceShard, keep, cache) -> torch.Tensor:
+        """``attend_projected`` on a sequence shard (``polysketch.nn.sharding``)."""
         if not isinstance(shard, SequenceShard):
             raise TypeError(f"shard must be a SequenceShard (make_shard), got {type(shard)}")
         if cache is not None:
@@ -212,10 +247,9 @@ class KernelAttention(AttentionCore):
                              "parallelism / packing)")  # fmt: skip
         if (keep is None) != (shard.real_before is None):
             raise ValueError("key_padding_mask: pass the same mask to make_shard(keep=)")
-        if x.shape[1] != shard.length:
-            raise ValueError(f"x holds {x.shape[1]} tokens, the shard {shard.length}")
+        if qkv.shape[1] != shard.length:
+            raise ValueError(f"x holds {qkv.shape[1]} tokens, the shard {shard.length}")
         check_core_on_shard(self, shard)
-        qkv = self.qkv(x)
         if self.conv is not None:
             qkv = shard_short_conv(self.conv, qkv, shard, keep)
         q, k, v = (self._heads(part) for part in qkv.split(self._split, dim=-1))
@@ -226,15 +260,14 @@ class KernelAttention(AttentionCore):
             acc = compute_dtype(torch.promote_types(q.dtype, v.dtype))
             q, k = q.to(acc), k.to(acc)
             if keep is not None:  # real tokens counted, those of earlier shards included
-                before = torch.tensor(shard.real_before, device=x.device)
+                before = torch.tensor(shard.real_before, device=qkv.device)
                 q, k = self.rotary.rotate(q, k, positions=real_positions(keep, before))
             elif shard.cu_seqlens is None:
                 q, k = self.rotary.rotate(q, k, offset=shard.start)
             else:
-                pos = shard.positions(x.device).expand(x.shape[0], -1)
+                pos = shard.positions(qkv.device).expand(qkv.shape[0], -1)
                 q, k = self.rotary.rotate(q, k, positions=pos)
-        o = shard_attend(self, q, k, v, shard, dtype=work, keep=keep)
-        return self.out_proj(o.transpose(1, 2).flatten(2))  # (B, H, T, D) -> (B, T, H·D)
+        return shard_attend(self, q, k, v, shard, dtype=work, keep=keep)
 
     def _rotate(self, q, k, keep, cache):
         """RoPE at each token's position: t (+ the tokens consumed), or per row counting real

@@ -62,6 +62,7 @@ class TransformerConfig:
     learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
     window: int | None = None  # attention="sliding_window": keys each query sees
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
+    local_shared: bool | None = None  # that branch uses the attention's projections (Block)
 
     def branches(self) -> tuple[str, int | None]:
         """(the attention of every layer, the window of the sliding-window branch beside it
@@ -72,6 +73,13 @@ class TransformerConfig:
             return self.attention, self.local_window
         window = preset["local_window"] if self.local_window is None else self.local_window
         return preset["attention"], window
+
+    def shares_projections(self) -> bool:
+        """Whether the sliding-window branch reads the attention's q/k/v and output
+        projections (``local_shared``, else the model preset's, else False; see Block)."""
+        if self.local_shared is not None:
+            return self.local_shared
+        return bool((MODEL_PRESETS.get(self.attention) or {}).get("local_shared", False))
 
     def map_options(self) -> dict:
         """The feature-map keywords of every layer's attention: a model preset's
@@ -110,6 +118,12 @@ class TransformerConfig:
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.local_shared is not None and not isinstance(self.local_shared, bool):
+            raise TypeError(
+                f"local_shared must be a bool or None, got {type(self.local_shared).__name__}"
+            )
+        if self.shares_projections() and self.branches()[1] is None:
+            raise ValueError("local_shared=True needs a sliding-window branch (local_window)")
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
             raise TypeError(f"qk_norm must be a bool or None, got {type(self.qk_norm).__name__}")
         return self
@@ -146,6 +160,12 @@ class Block(nn.Module):
     share one normalizer, learned no 1024-back copy where ``soft_hash_local`` did:
     ``docs/results/long_context/screens/``). The decode cache of such a layer is a
     ``polysketch.nn.cache.ParallelCache``.
+
+    With ``config.local_shared`` the two branches read one q/k/v projection and share the
+    output projection: ``Attn(h) = (O_global + O_local) W_out`` with [Q K V] = h W_qkv for
+    both (the global branch's q/k LayerNorm and short convolution are its own; the window
+    sees the raw projections with RoPE). It has the function of the unshared layer whose
+    local projections equal the global ones, with half the projections to run.
     """
 
     def __init__(self, config: TransformerConfig, layer_index: int):
@@ -168,10 +188,12 @@ class Block(nn.Module):
             **config.map_options(),
         )
         self.local_attn = None
+        self.shared = config.shares_projections()
         if local_window is not None:
+            shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
             self.local_attn = KernelAttention(
                 config.n_embd, config.n_head, attention="sliding_window", window=local_window,
-                **layer,
+                **layer, **shared,
             )  # fmt: skip
         self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
         self.ln_2 = nn.LayerNorm(config.n_embd)
@@ -201,11 +223,23 @@ class Block(nn.Module):
             if cache is not None and not isinstance(cache, ParallelCache):
                 raise TypeError("cache must be a ParallelCache (from new_caches())")
             far, near = (None, None) if cache is None else (cache.far, cache.local)
-            a = self.local_attn(h, key_padding_mask=key_padding_mask, cache=near, shard=shard)
-            g = self.attn(h, key_padding_mask=key_padding_mask, cache=far, shard=shard)
-            a = a if self.global_ablated else a + g  # the far cache advances either way
+            if self.shared:
+                a = self._shared_branches(h, key_padding_mask, far, near, shard)
+            else:
+                a = self.local_attn(h, key_padding_mask=key_padding_mask, cache=near, shard=shard)
+                g = self.attn(h, key_padding_mask=key_padding_mask, cache=far, shard=shard)
+                a = a if self.global_ablated else a + g  # the far cache advances either way
         x = x + self.dropout(a)
         return x + self.ffn(self.ln_2(x))
+
+    def _shared_branches(self, h, keep, far, near, shard) -> torch.Tensor:
+        """(O_global + O_local) W_out from one projection h W_qkv (``local_shared``)."""
+        attn = self.attn
+        qkv = attn.qkv(h)
+        o = self.local_attn.attend_projected(qkv, key_padding_mask=keep, cache=near, shard=shard)
+        g = attn.attend_projected(qkv, key_padding_mask=keep, cache=far, shard=shard)
+        o = o if self.global_ablated else o + g  # the far cache advances either way
+        return attn.out_proj(attn.merge_heads(o))
 
 
 class TransformerLM(nn.Module):
