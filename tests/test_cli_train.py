@@ -74,13 +74,14 @@ def test_train_mqar_task_and_generate_refuses_it(tmp_path, capsys):
     args = ["train", "--task", "mqar", "--mqar-vocab", "32", "--mqar-seq-len", "16",
             "--mqar-kv-pairs", "2", "--mqar-train", "16", "--mqar-val", "8", "--steps", "2",
             "--attention", "elu", "--out", str(out), "--short-conv", "3", "--qk-dim", "4",
-            "--local-window", "4", *TINY]  # fmt: skip
+            "--local-window", "4", "--local-shared", *TINY]  # fmt: skip
     assert main(args) == 0
     assert "val_accuracy=" in capsys.readouterr().out
     state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
     assert state["model_config"]["vocab_size"] == 32
     assert (state["model_config"]["short_conv"], state["model_config"]["qk_dim"]) == (3, 4)
     assert state["model_config"]["local_window"] == 4
+    assert state["model_config"]["local_shared"] is True
     assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "x"]) == 2
     assert "MQAR" in capsys.readouterr().err
 

@@ -129,6 +129,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="add an exact sliding-window softmax branch over the last W tokens beside the "
         "attention in every layer (its own projections and normalizer; BASED's local + global)",
     )  # fmt: skip
+    model.add_argument(
+        "--local-shared", action="store_true", default=None,
+        help="the --local-window branch reads the attention's q/k/v and output projections "
+        "(half the projections; default: the model preset's, else its own)",
+    )  # fmt: skip
 
     opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
@@ -212,6 +217,7 @@ def _configs_from_args(args):
         qk_dim=args.qk_dim,
         short_conv=args.short_conv,
         local_window=args.local_window,
+        local_shared=args.local_shared,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()
