@@ -65,7 +65,9 @@ single ``KernelAttention``): an attention preset plus a model option.
   that of a parameter-matched softmax, after 300 steps; 0.057 of the weight on an exact match
   among 4k keys at init (exact degree 4: 0.25); trained at 2048 and evaluated at 32k, its
   loss on [16k, 32k) is 0.03–0.30 nats/byte above its first bucket's (softmax's 0.33–0.56);
-  trains at 0.55–0.70× ``psf_random``'s tokens/s on a CPU. F = 1024 at τ = 4 (the preset's
+  trains at 0.55–0.70× ``psf_random``'s tokens/s on a CPU (23 × 23 product buckets,
+  ``factors=2``, with ``local_shared=True`` train at 0.79–0.81× but learned no copy in 400
+  steps: ``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4 (the preset's
   first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state at half
   the speed.
 
