@@ -113,7 +113,7 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     """softmax(x (τ_h W_h / √D)) · c (of each of the m factors, then their Kronecker product)
     with W_h = the key weights for keys (unless shared)."""
     which = "k" if role == "key" and not template.shared else "q"
-    weight = params[f"map.weight_{which}"]  # (H, D, F)
+    weight = params[f"map.weight_{which}"]  # (H, D, m·B)
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
     if log_t is None:
         log_t = buffers["map.log_temperature"]
