@@ -80,9 +80,9 @@ def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path, corpus, attenti
 
 
 def test_a_run_saved_before_a_config_field_existed_resumes(tmp_path, corpus):
-    """A checkpoint whose configs lack fields added since (here ``local_window``, ``pack``)
-    resumes as the same run with those fields at their defaults; a field that differs is
-    still refused."""
+    """A checkpoint whose configs lack fields added since (``local_window``, ``local_shared``,
+    ``pack``) resumes as the same run with those fields at their defaults; a field that
+    differs is still refused."""
     from polysketch.train import CheckpointError, save_checkpoint, saved_config
 
     mc = tiny_model(attention="psf_random")
@@ -91,10 +91,12 @@ def test_a_run_saved_before_a_config_field_existed_resumes(tmp_path, corpus):
     path = tmp_path / "b" / "ckpt.pt"
     state = load_checkpoint(path, restore_rng=False)
     assert state["model_config"].pop("local_window") is None
+    assert state["model_config"].pop("local_shared") is None
     assert state["train_config"].pop("pack") is False
     save_checkpoint(path, state)
     old = load_checkpoint(path, restore_rng=False)
-    assert saved_config(TransformerConfig, old["model_config"])["local_window"] is None
+    filled = saved_config(TransformerConfig, old["model_config"])
+    assert filled["local_window"] is None and filled["local_shared"] is None
     resumed_config = TransformerConfig(**old["model_config"])  # as `train --resume` builds it
     resumed = train(resumed_config, tiny_train(tmp_path / "b"), corpus, progress=False,
                     resume=True)  # fmt: skip
