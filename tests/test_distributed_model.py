@@ -37,6 +37,12 @@ CASES = {
         "local_shared": True,
         "map_kwargs": {"num_features": 9, "factors": 2, "temperature": 8.0},
     },
+    "soft_hash_window_one_head": {  # one soft_hash head beside a two-head window
+        "attention": "soft_hash_1k",
+        "local_window": 14,
+        "global_heads": 1,
+        "map_kwargs": {"num_features": 8, "temperature": 8.0},
+    },
     "window_packed": {"attention": "sliding_window", "window": 6, "cu": [0, 5, 6, 19, 30, 37]},
     "soft_hash_window_T3": {
         "attention": "soft_hash_1k",
@@ -59,7 +65,7 @@ def _config(c: dict) -> TransformerConfig:
         vocab_size=29, block_size=64, n_layer=2, n_head=2, n_embd=16, chunk_size=8,
         attention=c["attention"], short_conv=c.get("short_conv", 0), seed=3,
         local_window=c.get("local_window"), window=c.get("window"),
-        local_shared=c.get("local_shared"),
+        local_shared=c.get("local_shared"), global_heads=c.get("global_heads"),
         map_kwargs=c.get("map_kwargs", {}),
     )  # fmt: skip
 

@@ -36,7 +36,8 @@ GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive",
     "attention,kw",
     [(a, {}) for a in GEN + ["psf_learned"]]
     + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})]
-    + [("soft_hash", {"local_window": 4, "local_shared": True, "short_conv": 2, "qk_dim": 4})],
+    + [("soft_hash", {"local_window": 4, "local_shared": True, "short_conv": 2, "qk_dim": 4})]
+    + [("soft_hash", {"local_window": 4, "global_heads": 1})],
 )
 def test_greedy_generate_equals_full_forward_argmax(attention, kw):
     model = _model(attention, **kw).double()
@@ -318,3 +319,36 @@ def test_local_shared_configs_and_refusals():
                         short_conv=2)  # fmt: skip
     with pytest.raises(TypeError, match="projections"):
         KernelAttention(16, 2, projections=1)
+
+
+# ----- fewer heads in the attention beside the window (global_heads) -----------------------
+def test_global_heads_sets_the_attention_heads_beside_the_window_only():
+    model = _model("soft_hash", local_window=4, global_heads=1)
+    block = model.blocks[0]
+    assert (block.attn.num_heads, block.attn.qk_dim, block.attn.head_dim) == (1, 8, 16)
+    assert (block.local_attn.num_heads, block.local_attn.head_dim) == (2, 8)
+    assert block.attn.feature_map.head_dim == 8  # the map's input keeps the model's head dim
+    narrow = _model("soft_hash", local_window=4, global_heads=1, qk_dim=4).blocks[0].attn
+    assert (narrow.num_heads, narrow.qk_dim) == (1, 4)
+    same = _model("soft_hash", local_window=4, global_heads=2).blocks[0].attn
+    plain = _model("soft_hash", local_window=4).blocks[0].attn
+    assert same.num_heads == plain.num_heads == 2 and same.qk_dim == plain.qk_dim
+    one = block.attn.decode_state_size(10)
+    assert one == block.attn.feature_map.feature_dim * (16 + 1)  # F × (E + 1), one head
+    assert TransformerConfig(attention="soft_hash", n_head=2, global_heads=1).attention_heads() == 2
+
+
+def test_global_heads_refusals():
+    def config(**kw):
+        return TransformerConfig(vocab_size=V, n_layer=1, n_head=2, n_embd=16, **kw).validate()
+
+    with pytest.raises(ValueError, match="global_heads.*local_window"):
+        config(attention="soft_hash", global_heads=1)
+    with pytest.raises(ValueError, match="global_heads"):
+        config(attention="soft_hash", local_window=4, global_heads=0)
+    with pytest.raises(TypeError, match="global_heads"):
+        config(attention="soft_hash", local_window=4, global_heads=1.0)
+    with pytest.raises(ValueError, match="divisible by global_heads=3"):
+        config(attention="soft_hash", local_window=4, global_heads=3)
+    with pytest.raises(ValueError, match="local_shared=True needs global_heads"):
+        config(attention="soft_hash", local_window=4, global_heads=1, local_shared=True)

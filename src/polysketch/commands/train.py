@@ -134,6 +134,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="the --local-window branch reads the attention's q/k/v and output projections "
         "(half the projections; default: the model preset's, else its own)",
     )  # fmt: skip
+    model.add_argument(
+        "--global-heads", type=int, default=None, metavar="G",
+        help="heads of the attention beside the --local-window branch (q/k of the model's "
+        "head dim, values of n_embd/G; default: the model preset's, else --n-head)",
+    )  # fmt: skip
 
     opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
@@ -218,6 +223,7 @@ def _configs_from_args(args):
         short_conv=args.short_conv,
         local_window=args.local_window,
         local_shared=args.local_shared,
+        global_heads=args.global_heads,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()

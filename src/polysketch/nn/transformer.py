@@ -63,6 +63,7 @@ class TransformerConfig:
     window: int | None = None  # attention="sliding_window": keys each query sees
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
     local_shared: bool | None = None  # that branch uses the attention's projections (Block)
+    global_heads: int | None = None  # heads of the attention beside that branch (Block)
 
     def branches(self) -> tuple[str, int | None]:
         """(the attention of every layer, the window of the sliding-window branch beside it
@@ -80,6 +81,16 @@ class TransformerConfig:
         if self.local_shared is not None:
             return self.local_shared
         return bool((MODEL_PRESETS.get(self.attention) or {}).get("local_shared", False))
+
+    def attention_heads(self) -> int:
+        """Heads of every layer's attention: ``global_heads`` (else the model preset's) beside
+        a ``local_window`` branch, else ``n_head`` (see Block)."""
+        if self.branches()[1] is None:
+            return self.n_head
+        heads = self.global_heads
+        if heads is None:
+            heads = (MODEL_PRESETS.get(self.attention) or {}).get("global_heads")
+        return self.n_head if heads is None else heads
 
     def map_options(self) -> dict:
         """The feature-map keywords of every layer's attention: a model preset's
@@ -124,6 +135,17 @@ class TransformerConfig:
             )
         if self.shares_projections() and self.branches()[1] is None:
             raise ValueError("local_shared=True needs a sliding-window branch (local_window)")
+        if self.global_heads is not None:
+            check_positive_int(self.global_heads, "global_heads")
+            if self.branches()[1] is None:
+                raise ValueError("global_heads sets the heads of the attention beside a "
+                                 "sliding-window branch: it needs local_window")  # fmt: skip
+        heads = self.attention_heads()
+        if self.n_embd % heads:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")
+        if self.shares_projections() and heads != self.n_head:
+            raise ValueError(f"local_shared=True needs global_heads = n_head ({self.n_head}): "
+                             f"the branches share one q/k/v projection, got {heads}")  # fmt: skip
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
             raise TypeError(f"qk_norm must be a bool or None, got {type(self.qk_norm).__name__}")
         return self
@@ -166,6 +188,12 @@ class Block(nn.Module):
     both (the global branch's q/k LayerNorm and short convolution are its own; the window
     sees the raw projections with RoPE). It has the function of the unshared layer whose
     local projections equal the global ones, with half the projections to run.
+
+    With ``config.global_heads = g`` (beside a window) the global branch has g heads, each
+    with q/k of ``qk_dim`` (default the model's head dim n_embd / n_head, so its feature map
+    keeps its input size) and values of n_embd / g, while the window keeps n_head heads:
+    ``soft_hash_local`` reads far context through one such head per layer, its feature map
+    and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
     """
 
     def __init__(self, config: TransformerConfig, layer_index: int):
@@ -174,11 +202,15 @@ class Block(nn.Module):
         layer = dict(causal=True, rope=config.rope, chunk_size=config.chunk_size,
                      seed=config.seed, layer_index=layer_index)  # fmt: skip
         self.ln_1 = nn.LayerNorm(config.n_embd)
+        heads = config.attention_heads()
+        qk_dim = config.qk_dim
+        if heads != config.n_head and qk_dim is None:  # the model's head dim, not n_embd/g
+            qk_dim = config.n_embd // config.n_head
         self.attn = KernelAttention(
             config.n_embd,
-            config.n_head,
+            heads,
             attention=attention,
-            qk_dim=config.qk_dim,
+            qk_dim=qk_dim,
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
             mixed=config.mixed,
