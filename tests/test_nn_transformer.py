@@ -201,7 +201,7 @@ def test_local_window_configs_and_refusals():
         model(idx, caches=[b.attn.new_cache() for b in model.blocks])
 
 
-def test_soft_hash_local_model_preset_is_soft_hash_512_at_temperature_8_beside_a_window():
+def test_soft_hash_local_model_preset_is_one_soft_hash_512_head_at_temperature_8_beside_a_window():
     from polysketch.nn import MODEL_PRESETS, KernelAttention, valid_model_attentions
 
     assert "soft_hash_local" in valid_model_attentions()
@@ -209,8 +209,11 @@ def test_soft_hash_local_model_preset_is_soft_hash_512_at_temperature_8_beside_a
     preset = TransformerLM(TransformerConfig(attention="soft_hash_local", **small))
     spelled = TransformerLM(TransformerConfig(attention="soft_hash_1k", local_window=64,
                                               map_kwargs={"num_features": 512, "temperature": 8.0},
-                                              **small))  # fmt: skip
+                                              global_heads=1, **small))  # fmt: skip
     assert MODEL_PRESETS["soft_hash_local"]["local_window"] == 64
+    assert preset.blocks[0].attn.num_heads == 1 and preset.blocks[0].local_attn.num_heads == 2
+    two = TransformerConfig(attention="soft_hash_local", global_heads=2, **small)
+    assert TransformerLM(two).blocks[0].attn.num_heads == 2  # the user's win
     for a, b in zip(preset.state_dict().items(), spelled.state_dict().items(), strict=True):
         assert a[0] == b[0] and torch.equal(a[1], b[1])
     assert preset.blocks[0].attn.attention == "soft_hash_1k"
@@ -225,7 +228,7 @@ def test_soft_hash_local_model_preset_is_soft_hash_512_at_temperature_8_beside_a
     wider = TransformerConfig(attention="soft_hash_local", map_kwargs={"num_features": 64}, **small)
     assert wider.map_options() == {"num_features": 64, "temperature": 8.0}  # the user's win
     assert TransformerLM(wider).blocks[1].attn.feature_map.feature_dim == 64
-    spelled_out = "model preset.*soft_hash_1k, num_features=512, temperature=8.0"
+    spelled_out = "model preset.*soft_hash_1k, num_features=512, temperature=8.0.*global_heads=1"
     with pytest.raises(ValueError, match=spelled_out):
         KernelAttention(16, 2, attention="soft_hash_local")
 

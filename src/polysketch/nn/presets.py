@@ -51,25 +51,26 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
 **Model presets** (``MODEL_PRESETS``; ``TransformerConfig(attention=...)`` and the CLIs, not a
 single ``KernelAttention``): an attention preset plus a model option.
 
-* ``soft_hash_local`` — ours, the long-context preset (issue 21 §2): the ``soft_hash_1k``
-  map with F = 512 buckets and initial temperature τ = 8 (``map_kwargs``) as the global
-  attention, with an exact sliding-window softmax branch over the last 64 tokens beside it in
-  every layer (``TransformerConfig.local_window=64``: its own projections and normalizer,
-  outputs summed; BASED's local + global design). The window models the next byte from its
-  neighbours, the soft-hash branch reads far context with a normalizer of its own. Decode
-  state per layer: H·512·(E + 1) + H·64·(D + E) floats (1.17× ``psf_random``'s at D = E =
-  64). Long context (2 × 128 model, context 2048, seeds 0–2,
-  ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back through its
-  soft_hash branch (drop at 400 steps 0.83× / 0.60× / 0.83× softmax's; the branch switched
-  off leaves none); natural-text loss 0.86–0.95× that of softmax of the same size, 1.03–1.08×
-  that of a parameter-matched softmax, after 300 steps; 0.057 of the weight on an exact match
-  among 4k keys at init (exact degree 4: 0.25); trained at 2048 and evaluated at 32k, its
-  loss on [16k, 32k) is 0.03–0.30 nats/byte above its first bucket's (softmax's 0.33–0.56);
-  trains at 0.55–0.70× ``psf_random``'s tokens/s on a CPU (23 × 23 product buckets,
-  ``factors=2``, with ``local_shared=True`` train at 0.79–0.81× but learned no copy in 400
-  steps: ``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4 (the preset's
-  first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state at half
-  the speed.
+* ``soft_hash_local`` — ours, the long-context preset (issue 21 §2): one head of the
+  ``soft_hash_1k`` map per layer (``global_heads=1``: q/k of the model's head dim, values of
+  the full width) with F = 512 buckets and initial temperature τ = 8 (``map_kwargs``) as the
+  global attention, with an exact sliding-window softmax branch of ``n_head`` heads over the
+  last 64 tokens beside it in every layer (``TransformerConfig.local_window=64``: its own
+  projections and normalizer, outputs summed; BASED's local + global design). The window
+  models the next byte from its neighbours, the soft-hash head reads far context with a
+  normalizer of its own. Decode state per layer: 512·(n_embd + 1) + H·64·(D + E) floats
+  (1.17× ``psf_random``'s at D = E = 64, H = 2). Long context (2 × 128 model, context 2048,
+  seeds 0–2, ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back
+  through its soft_hash head (drop at 400 steps 0.59× / 0.52× / 0.52× softmax's; the branch
+  switched off leaves none); natural-text loss 0.86–0.95× that of softmax of the same size
+  after 300 steps; 0.057 of the weight on an exact match among 4k keys at init (exact degree
+  4: 0.25); trains at 0.89–1.00× ``psf_random``'s tokens/s on a CPU (4 × 256, T = 2048). Its
+  two-head version (``global_heads=n_head``, the preset until 2026-11-24 evening) copied at
+  0.83× / 0.60× / 0.83× at 0.55–0.72× the speed, and kept 0.03–0.30 nats/byte of loss from
+  [16k, 32k) above its first bucket's when evaluated at 32k (softmax: 0.33–0.56). Faster
+  forms that learned no copy in 400 steps: 23 × 23 product buckets (``factors=2``) with
+  ``local_shared=True`` (``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4
+  (the first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state.
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
@@ -218,21 +219,23 @@ PRESETS: dict[str, dict] = {
 MODEL_PRESETS: dict[str, dict] = {
     "soft_hash_local": {
         "description": (
-            "long context: soft_hash_1k with F = 512 learned buckets and initial temperature "
-            "8 (LayerNorm on q/k, normalizer Σ) beside an exact sliding-window softmax branch "
-            "over the last 64 tokens in every layer (local_window=64: own projections and "
-            "normalizer, outputs summed); learns a copy from 1024 tokens back and models "
-            "natural text like softmax at the measured budget, with a decode state 1.17× "
-            "psf_random's"
+            "long context: one head of soft_hash_1k per layer (global_heads=1) with F = 512 "
+            "learned buckets and initial temperature 8 (LayerNorm on q/k, normalizer Σ) beside "
+            "an exact sliding-window softmax branch over the last 64 tokens in every layer "
+            "(local_window=64: own projections and normalizer, outputs summed); learns a copy "
+            "from 1024 tokens back and models natural text like softmax at the measured "
+            "budget, with a decode state 1.17× psf_random's, training at 0.9× its speed"
         ),
         "attention": "soft_hash_1k",
         "map_kwargs": {"num_features": 512, "temperature": 8.0},
         "local_window": 64,
+        "global_heads": 1,
     },
 }
 """Model preset name -> {"description", "attention": the attention preset of every layer,
 "map_kwargs": its feature-map keywords (optional; ``TransformerConfig.map_kwargs`` override
-them), "local_window": the window of the branch beside it} (``TransformerConfig``)."""
+them), "local_window": the window of the branch beside it, "global_heads": the attention's
+heads (optional; default n_head)} (``TransformerConfig``)."""
 
 
 @dataclass(frozen=True)
@@ -335,9 +338,11 @@ def resolve_attention(
     elif attention in MODEL_PRESETS:
         m = MODEL_PRESETS[attention]
         options = "".join(f", {k}={v!r}" for k, v in m.get("map_kwargs", {}).items())
+        heads = f", global_heads={m['global_heads']}" if "global_heads" in m else ""
         raise ValueError(
             f"attention={attention!r} is a model preset ({m['attention']}{options} beside an "
-            f"exact sliding window of {m['local_window']} tokens): use it in TransformerConfig"
+            f"exact sliding window of {m['local_window']} tokens{heads}): use it in "
+            f"TransformerConfig"
             f"(attention={attention!r}); a single attention layer has no window branch, use "
             f"attention={m['attention']!r}{options} there"
         )
