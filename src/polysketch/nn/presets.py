@@ -66,8 +66,9 @@ single ``KernelAttention``): an attention preset plus a model option.
   after 300 steps; 0.057 of the weight on an exact match among 4k keys at init (exact degree
   4: 0.25); trains at 0.89–1.00× ``psf_random``'s tokens/s on a CPU (4 × 256, T = 2048). Its
   two-head version (``global_heads=n_head``, the preset until 2026-11-24 evening) copied at
-  0.83× / 0.60× / 0.83× at 0.55–0.72× the speed, and kept 0.03–0.30 nats/byte of loss from
-  [16k, 32k) above its first bucket's when evaluated at 32k (softmax: 0.33–0.56). Faster
+  0.83× / 0.60× / 0.83× at 0.55–0.72× the speed. Evaluated at 32k after training at 2048,
+  its loss on [16k, 32k) is −0.06 to +0.15 nats/byte from its first bucket's (softmax's
+  rises by 0.33–0.56). Faster
   forms that learned no copy in 400 steps: 23 × 23 product buckets (``factors=2``) with
   ``local_shared=True`` (``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4
   (the first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state.
