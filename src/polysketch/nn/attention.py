@@ -173,8 +173,7 @@ class KernelAttention(AttentionCore):
         x = check_tensor(x, "x", min_dim=3)
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must have shape (B, T, E={self.embed_dim}), got {tuple(x.shape)}")
-        o = self.attend_projected(self.qkv(x), key_padding_mask=key_padding_mask, cache=cache,
-                                  shard=shard)  # fmt: skip
+        o = self._attend_qkv(self.qkv(x), key_padding_mask, cache, shard)
         return self.out_proj(self.merge_heads(o))
 
     def attend_projected(
@@ -194,6 +193,10 @@ class KernelAttention(AttentionCore):
         if qkv.dim() != 3 or qkv.shape[-1] != sum(self._split):
             raise ValueError(f"qkv must have shape (B, T, {sum(self._split)}), got "
                              f"{tuple(qkv.shape)}")  # fmt: skip
+        return self._attend_qkv(qkv, key_padding_mask, cache, shard)
+
+    def _attend_qkv(self, qkv, key_padding_mask, cache, shard) -> torch.Tensor:
+        """``attend_projected`` for a qkv of the right shape (``forward`` made it itself)."""
         b, t, _ = qkv.shape
         keep = key_padding_mask
         if keep is not None:
