@@ -89,3 +89,18 @@ def test_mqar_estimate_projects_a_run(tmp_path):
             "--attentions", "softmax"]  # fmt: skip
     assert long_context.main(argv) == 0
     assert "hours for" in (out / "estimate.md").read_text()
+
+
+def test_mqar_curriculum_setting_reports_each_stage(tmp_path):
+    """``--setting long_curriculum`` trains its stages first and records their recall; the
+    estimate counts their steps too."""
+    out = tmp_path / "cur"
+    argv = ["mqar", "--smoke", "--no-progress", "--setting", "long_curriculum", "--out",
+            str(out), "--attentions", "softmax"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    (row,) = _rows(out / "mqar.csv")
+    assert row["setting"] == "long_curriculum" and row["curriculum_accuracy"].startswith("T16:")
+    argv = ["mqar", "--smoke", "--setting", "long_curriculum", "--estimate", "--estimate-steps",
+            "1", "--out", str(tmp_path / "est"), "--attentions", "softmax"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    assert "and the curriculum" in (tmp_path / "est" / "estimate.md").read_text()

@@ -93,7 +93,7 @@ def test_min_distance_puts_every_query_far_from_its_key():
 
 
 def test_long_mqar_settings_reach_past_every_local_window():
-    for name in ("long", "long512"):
+    for name in ("long", "long512", "long_curriculum"):
         s, attentions = mqar_sweep.SETTINGS[name]
         assert s["min_distance"] >= s["seq_len"] // 2 > 64  # psf_mixed's block: the chunk
         MQARConfig(
@@ -106,3 +106,42 @@ def test_long_mqar_settings_reach_past_every_local_window():
     data = mqar_sweep.make_data({**mqar_sweep.QUICK, "seq_len": 32, "min_distance": 16})
     answered = (data.train_targets != IGNORE_INDEX).nonzero()[:, 1]
     assert int(answered.min()) >= 16 + 2 * (mqar_sweep.QUICK["num_kv_pairs"] - 1)
+
+
+def test_curriculum_stages_follow_the_settings_and_bad_stages_are_refused():
+    s = mqar_sweep.LONG_CURRICULUM
+    stages = mqar_sweep.curriculum_settings(s)
+    assert [(st["seq_len"], st["min_distance"], st["num_kv_pairs"], st["steps"])
+            for st in stages] == list(s["curriculum"])  # fmt: skip
+    assert all(st["batch_size"] == s["batch_size"] and not st["curriculum"] for st in stages)
+    # the T = 256 stage already keeps its answers past a 64-token window
+    assert stages[-1]["min_distance"] > 64
+    assert mqar_sweep.curriculum_settings(mqar_sweep.LONG) == []
+    for bad in ((64, 0, 8), (64, 0, 8, -1), (64, 0, 8, 1.5), "64,0,8,100"):
+        with pytest.raises(ValueError, match="curriculum"):
+            mqar_sweep.curriculum_settings({**s, "curriculum": (bad,)})
+
+
+def test_a_curriculum_trains_its_stages_then_the_task_from_their_weights(monkeypatch):
+    """Each stage's data has the stage's length; every stage after the first, and the task,
+    starts from the weights the stage before it ended with."""
+    calls = []
+    real_train = mqar_sweep.train
+
+    def recording_train(model_config, train_config, data, **kw):
+        start = kw.get("init_weights")
+        history = real_train(model_config, train_config, data, **kw)
+        calls.append((data.train_inputs.shape[1], train_config.steps, start, history["model"]))
+        return history
+
+    monkeypatch.setattr(mqar_sweep, "train", recording_train)
+    settings = {**mqar_sweep.QUICK, "seq_len": 32, "min_distance": 16, "steps": 1,
+                "curriculum": ((16, 0, 2, 2), (24, 8, 2, 1))}  # fmt: skip
+    (row,) = mqar_sweep.run_sweep(["softmax"], settings=settings, log=None)
+    assert [(t, n) for t, n, _, _ in calls] == [(16, 2), (24, 1), (32, 1)]
+    assert calls[0][2] is None
+    for (_, _, _, before), (_, _, start, _) in zip(calls, calls[1:], strict=False):
+        ended = before.state_dict()
+        assert start.keys() == ended.keys()
+        assert all(torch.equal(start[k], ended[k]) for k in ended)
+    assert row["curriculum_accuracy"].startswith("T16:") and " T24:" in row["curriculum_accuracy"]

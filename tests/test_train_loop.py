@@ -252,3 +252,31 @@ def test_bad_configs_raise_naming_the_argument(tmp_path, corpus, monkeypatch):
         train(mc, tiny_train(block_size=10_000), corpus, progress=False)
     with pytest.raises(TypeError, match="data"):
         train(mc, tiny_train(), [1, 2, 3], progress=False)
+
+
+def test_init_weights_start_the_run_from_given_weights(corpus):
+    """A run from another model's weights continues from them (a curriculum's next stage);
+    refused with resume, a non-dict, or weights of another model."""
+    first = train(tiny_model(), tiny_train(steps=3, eval_interval=None), corpus, progress=False)
+    ended = {k: v.clone() for k, v in first["model"].state_dict().items()}
+    fresh = TransformerLM(tiny_model()).state_dict()
+    assert any(not torch.equal(ended[k], fresh[k]) for k in ended)
+    # lr ~ 0: the weights after one step are the ones given, not model_config.seed's
+    tiny = tiny_train(steps=1, lr=1e-30, min_lr=1e-30, warmup_steps=0, eval_interval=None)
+    second = train(tiny_model(), tiny, corpus, progress=False, init_weights=ended)
+    after = second["model"].state_dict()
+    assert all(torch.allclose(after[k], ended[k], atol=1e-12) for k in ended)
+    # the optimizer starts fresh: its first step is AdamW's first step from these weights
+    model = TransformerLM(tiny_model())
+    model.load_state_dict(ended)
+    step = train(tiny_model(), tiny_train(steps=1, warmup_steps=0, eval_interval=None), corpus,
+                 progress=False, init_weights=ended)  # fmt: skip
+    x, y = CorpusBatches(corpus.train, 16, 0).next(4)
+    torch.manual_seed(0)
+    assert step["train"][0]["loss"] == pytest.approx(model(x, y)[1].item(), rel=1e-6)
+    with pytest.raises(ValueError, match="init_weights and resume"):
+        train(tiny_model(), tiny, corpus, progress=False, init_weights=ended, resume=True)
+    with pytest.raises(TypeError, match="init_weights must be a state dict"):
+        train(tiny_model(), tiny, corpus, progress=False, init_weights=first["model"])
+    with pytest.raises(ValueError, match="init_weights do not fit"):
+        train(tiny_model(n_embd=32), tiny, corpus, progress=False, init_weights=ended)

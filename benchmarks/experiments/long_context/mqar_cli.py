@@ -22,14 +22,15 @@ from .timing import time_steps
 __all__ = ["register", "SMOKE_ATTENTIONS"]
 
 SMOKE_ATTENTIONS = ("softmax", "psf_mixed", "taylor:qk_dim=4")
-COLUMNS = (*ms.COLUMNS, "setting", "seq_len", "num_kv_pairs", "min_distance", "steps")
+COLUMNS = (*ms.COLUMNS, "setting", "seq_len", "num_kv_pairs", "min_distance", "steps",
+           "curriculum_accuracy")  # fmt: skip
 KEY = ("attention", "lr")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("mqar", help="long-range MQAR: recall vs decode state")
     add_common(p, "mqar")
-    p.add_argument("--setting", choices=("long", "long512"), default="long")
+    p.add_argument("--setting", choices=("long", "long512", "long_curriculum"), default="long")
     p.add_argument("--attentions", nargs="+", default=None, help="(default: the setting's)")
     p.add_argument("--lrs", type=float, nargs="+", default=None)
     for key in ("seq_len", "num_kv_pairs", "min_distance", "steps", "batch_size", "num_train"):
@@ -48,6 +49,8 @@ def _settings(args) -> tuple[dict, list[str]]:
     s = dict(base)
     if args.smoke:
         s = {**ms.QUICK, "seq_len": 32, "num_kv_pairs": 2, "min_distance": 16, "steps": 2}
+        if args.setting == "long_curriculum":
+            s["curriculum"] = ((16, 0, 2, 2),)
         attentions = SMOKE_ATTENTIONS
     for key in ("seq_len", "num_kv_pairs", "min_distance", "steps", "batch_size", "num_train"):
         if getattr(args, key) is not None:
@@ -63,13 +66,17 @@ def _estimate(args, settings: dict, attentions: list[str], out, argv) -> int:
         name, model_opts, map_kwargs = ms.parse_attention(spec)
         cfg = ms.model_config_for(name, data, settings=settings, model_options=model_opts,
                                   map_kwargs=map_kwargs, seed=args.seed)  # fmt: skip
-        facts = time_steps(cfg, batch_size=settings["batch_size"], seq_len=settings["seq_len"],
-                           steps=args.estimate_steps, seed=args.seed)  # fmt: skip
-        hours = facts["s_per_step"] * settings["steps"] / 3600
+        seconds = 0.0  # the curriculum's stages, then the task
+        for stage in (*ms.curriculum_settings(settings), settings):
+            facts = time_steps(cfg, batch_size=stage["batch_size"], seq_len=stage["seq_len"],
+                               steps=args.estimate_steps, seed=args.seed)  # fmt: skip
+            seconds += facts["s_per_step"] * stage["steps"]
+        hours = seconds / 3600
         rows.append((f"`{spec}`", f"{facts['s_per_step']:.2f}", f"{hours:.2f}",
                      f"{facts['state_size']:,}"))  # fmt: skip
         print(f"{spec}: {facts['s_per_step']:.2f} s/step, {hours:.2f} h for {settings['steps']}")
-    md = markdown_table(("attention", "s/step", f"hours for {settings['steps']} steps",
+    md = markdown_table(("attention", "s/step (task)", f"hours for {settings['steps']} steps" +
+                         (" and the curriculum" if settings.get("curriculum") else ""),
                          "decode state (floats)"), rows)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "estimate.md").write_text(

@@ -43,6 +43,7 @@ __all__ = [
     "LLOPS_ATTENTIONS",
     "LONG",
     "LONG_512",
+    "LONG_CURRICULUM",
     "LONG_ATTENTIONS",
     "SETTINGS",
     "MODEL_KEYS",
@@ -120,6 +121,23 @@ runs), vocabulary 8192, 100,000 training examples and d_model 64–512; ours kee
 LONG_512 = {**LONG, "seq_len": 512, "min_distance": 256}
 """``--setting long512``: ``LONG`` at T = 512, queries at least 256 tokens after their keys."""
 
+LONG_CURRICULUM = {
+    **LONG,
+    "n_embd": 64,
+    "steps": 400,
+    "curriculum": ((64, 0, 8, 1500), (256, 128, 8, 1000)),
+}
+"""``--setting long_curriculum``: ``LONG``'s task (T = 1024, 16 pairs, every query ≥ 512
+tokens after its key) reached through shorter ones, as Zoology trains on a mixture of
+lengths. ``curriculum`` lists the stages trained before the task, each
+(seq_len, min_distance, num_kv_pairs, steps) with ``LONG``'s batch, learning rate, warm-up and
+data sizes; each stage starts from the previous one's weights with a fresh optimizer and
+schedule (``train(init_weights=...)``), and the task itself is the last stage
+(``steps``). Without it softmax does not learn ``LONG`` at a CPU budget
+(``docs/results/long_context/mqar/softmax_budget``: accuracy 0.009 after 1,500 steps of 8);
+the T = 256 stage keeps every query 128 tokens from its key, past a 64-token window, so a
+local branch cannot answer it either. d_model 64 (``LONG``: 128) halves the cost."""
+
 LONG_ATTENTIONS = (
     "softmax",
     "taylor:qk_dim=16",
@@ -140,6 +158,7 @@ SETTINGS = {
     "llops": (LLOPS, LLOPS_ATTENTIONS),
     "long": (LONG, LONG_ATTENTIONS),
     "long512": (LONG_512, LONG_ATTENTIONS),
+    "long_curriculum": (LONG_CURRICULUM, LONG_ATTENTIONS),
 }
 """``--setting`` name -> (sizes, default attentions)."""
 
@@ -199,6 +218,10 @@ def run_sweep(
             "accuracy": val["accuracy"],
             "train_s": time.perf_counter() - t0,
         }
+        if history["curriculum"]:  # each stage's recall on its own validation set
+            row["curriculum_accuracy"] = " ".join(
+                f"T{st['seq_len']}:{st['accuracy']:.3f}" for st in history["curriculum"]
+            )
         rows.append(row)
         if on_row is not None:
             on_row(list(rows))
@@ -209,6 +232,28 @@ def run_sweep(
                 f"state {row['state_size']:,} floats  ({row['train_s']:.1f} s)"
             )
     return rows
+
+
+def curriculum_settings(settings: dict) -> list[dict]:
+    """The settings of each stage ``settings["curriculum"]`` lists (none without one): the
+    task's with that stage's seq_len, min_distance, num_kv_pairs and steps.
+
+    Raises ValueError for a stage that is not four non-negative integers."""
+    stages = []
+    for stage in settings.get("curriculum") or ():
+        if (
+            not isinstance(stage, (tuple, list))
+            or len(stage) != 4
+            or not all(isinstance(v, int) and v >= 0 for v in stage)
+        ):
+            raise ValueError(
+                "curriculum stages must be (seq_len, min_distance, num_kv_pairs, steps) of "
+                f"non-negative integers, got {stage!r}"
+            )
+        seq_len, min_distance, num_kv_pairs, steps = stage
+        stages.append({**settings, "seq_len": seq_len, "min_distance": min_distance,
+                       "num_kv_pairs": num_kv_pairs, "steps": steps, "curriculum": ()})  # fmt: skip
+    return stages
 
 
 def make_data(settings: dict, *, seed: int = 0) -> MQARData:
@@ -268,18 +313,36 @@ def train_one(
     """Train one ``TransformerLM`` on ``data`` as the sweep does; returns ``train``'s history
     (``history["model"]`` the trained model, ``history["val"][-1]`` its final scores).
 
-    ``settings``: ``FULL``'s keys (model size, steps, batch, warm-up, short_conv);
-    ``model_options``: ``TransformerConfig`` fields that override them (qk_dim, ...).
+    ``settings``: ``FULL``'s keys (model size, steps, batch, warm-up, short_conv), and
+    optionally ``curriculum`` (``LONG_CURRICULUM``): stages trained first, each from the last
+    one's weights; ``history["curriculum"]`` holds each stage's final validation row (with
+    its ``seq_len``). ``model_options``: ``TransformerConfig`` fields that override them
+    (qk_dim, ...). The model's ``block_size`` is ``data``'s length, the longest stage's.
     """
     seq_len = data.train_inputs.shape[1]
     model_config = model_config_for(
         attention, data, settings=settings, model_options=model_options,
         map_kwargs=map_kwargs, seed=seed,
     )  # fmt: skip
-    train_config = TrainConfig(
+    weights, stages = None, []
+    for stage in curriculum_settings(settings):
+        stage_data = make_data(stage, seed=seed)
+        history = train(model_config, _train_config(stage, lr, seed, device), stage_data,
+                        progress=progress, init_weights=weights)  # fmt: skip
+        weights = history["model"].state_dict()
+        stages.append({"seq_len": stage["seq_len"], **history["val"][-1]})
+    history = train(model_config, _train_config(settings, lr, seed, device, seq_len), data,
+                    progress=progress, init_weights=weights)  # fmt: skip
+    history["curriculum"] = stages
+    return history
+
+
+def _train_config(settings: dict, lr: float, seed: int, device, seq_len=None) -> TrainConfig:
+    """The sweep's ``TrainConfig`` for ``settings`` (steps, batch, warm-up) at ``lr``."""
+    return TrainConfig(
         steps=settings["steps"],
         batch_size=settings["batch_size"],
-        block_size=seq_len,
+        block_size=seq_len or settings["seq_len"],
         lr=lr,
         min_lr=lr / 10,
         warmup_steps=settings["warmup_steps"],
@@ -288,7 +351,6 @@ def train_one(
         seed=seed,
         device=device,
     )
-    return train(model_config, train_config, data, progress=progress)
 
 
 def write_csv(rows: Sequence[dict], path) -> Path:

@@ -149,6 +149,7 @@ def train(
     progress: bool = True,
     metadata: dict | None = None,
     stop_after: int | None = None,
+    init_weights: dict | None = None,
 ) -> dict:
     """Train a ``TransformerLM(model_config)``; see the module docstring.
 
@@ -165,6 +166,10 @@ def train(
             values only (dicts, lists, str, numbers, bool, None, tensors).
         stop_after: stop (with a checkpoint) after this step, as a time-boxed job would; the
             schedule still spans ``steps`` and ``resume=True`` continues the same run.
+        init_weights: a ``TransformerLM`` state dict of ``model_config``'s model (e.g. an
+            earlier stage's ``history["model"].state_dict()``, as a curriculum trains) that
+            replaces the fresh weights before the first step; the optimizer, schedule and
+            data sampler start fresh. Not with ``resume`` (the checkpoint holds the weights).
 
     Returns:
         history ``{"train": [rows per step], "val": [rows per evaluation], "model": the
@@ -177,6 +182,11 @@ def train(
     resume).
     """
     cfg = _checked(model_config, train_config, data, stop_after)
+    if init_weights is not None and resume:
+        raise ValueError("init_weights and resume=True exclude each other: a resumed run "
+                         "continues from its checkpoint's weights")  # fmt: skip
+    if init_weights is not None and not isinstance(init_weights, dict):
+        raise TypeError(f"init_weights must be a state dict, got {type(init_weights).__name__}")
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
     ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
     if resume and (ckpt_path is None or not ckpt_path.is_file()):
@@ -192,7 +202,8 @@ def train(
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
         layout = mesh.make_layout(ctx, cp=cfg.cp, fsdp=cfg.fsdp)
-        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout)
+        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout,
+                         init_weights)  # fmt: skip
         if resume:
             run.restore(ckpt_path, ctx.device)
         model = run.model
@@ -314,13 +325,21 @@ class _Run:
     step: int = 0
 
     @classmethod
-    def start(cls, model_config, cfg, data, block_size, device, metadata, layout=None) -> _Run:
+    def start(cls, model_config, cfg, data, block_size, device, metadata, layout=None,
+              init_weights=None) -> _Run:  # fmt: skip
         """A fresh run: torch's global RNG seeded with ``cfg.seed``, then the model (weights
-        from ``model_config.seed``; sharded by FSDP2 when ``layout.fsdp``), AdamW, the
-        schedule and the data sampler."""
+        from ``model_config.seed``, or ``init_weights``; sharded by FSDP2 when
+        ``layout.fsdp``), AdamW, the schedule and the data sampler."""
         layout = Layout() if layout is None else layout
         torch.manual_seed(cfg.seed)
-        model = TransformerLM(model_config).to(device)
+        model = TransformerLM(model_config)
+        if init_weights is not None:
+            try:
+                model.load_state_dict(init_weights)
+            except RuntimeError as err:
+                first = str(err).strip().splitlines()[0]
+                raise ValueError(f"init_weights do not fit model_config's model: {first}") from None
+        model = model.to(device)
         if layout.fsdp:
             mesh.shard_model(model, layout)
         optimizer = torch.optim.AdamW(
