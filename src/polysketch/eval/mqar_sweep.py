@@ -124,8 +124,8 @@ LONG_512 = {**LONG, "seq_len": 512, "min_distance": 256}
 LONG_CURRICULUM = {
     **LONG,
     "n_embd": 64,
-    "steps": 400,
-    "curriculum": ((64, 0, 8, 1500), (256, 128, 8, 1000)),
+    "steps": 300,
+    "curriculum": ((64, 0, 8, 1500), (256, 128, 8, 3000)),
 }
 """``--setting long_curriculum``: ``LONG``'s task (T = 1024, 16 pairs, every query ≥ 512
 tokens after its key) reached through shorter ones, as Zoology trains on a mixture of
