@@ -117,7 +117,15 @@ def test_curriculum_stages_follow_the_settings_and_bad_stages_are_refused():
     # the T = 256 stage already keeps its answers past a 64-token window
     assert stages[-1]["min_distance"] > 64
     assert mqar_sweep.curriculum_settings(mqar_sweep.LONG) == []
-    for bad in ((64, 0, 8), (64, 0, 8, -1), (64, 0, 8, 1.5), "64,0,8,100"):
+    for bad in (
+        (64, 0, 8),
+        (64, 0, 8, -1),
+        (64, 0, 8, 1.5),
+        "64,0,8,100",
+        (64, 0, 8, 0),
+        (64, -1, 8, 10),
+        (64, 0, True, 10),
+    ):
         with pytest.raises(ValueError, match="curriculum"):
             mqar_sweep.curriculum_settings({**s, "curriculum": (bad,)})
 

@@ -238,17 +238,20 @@ def curriculum_settings(settings: dict) -> list[dict]:
     """The settings of each stage ``settings["curriculum"]`` lists (none without one): the
     task's with that stage's seq_len, min_distance, num_kv_pairs and steps.
 
-    Raises ValueError for a stage that is not four non-negative integers."""
+    Raises ValueError for a stage that is not four integers with seq_len, num_kv_pairs and
+    steps ≥ 1 and min_distance ≥ 0 (checked here, before any stage trains)."""
     stages = []
     for stage in settings.get("curriculum") or ():
         if (
             not isinstance(stage, (tuple, list))
             or len(stage) != 4
-            or not all(isinstance(v, int) and v >= 0 for v in stage)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in stage)
+            or min(stage[0], stage[2], stage[3]) < 1
+            or stage[1] < 0
         ):
             raise ValueError(
                 "curriculum stages must be (seq_len, min_distance, num_kv_pairs, steps) of "
-                f"non-negative integers, got {stage!r}"
+                f"integers, seq_len, num_kv_pairs and steps >= 1, got {stage!r}"
             )
         seq_len, min_distance, num_kv_pairs, steps = stage
         stages.append({**settings, "seq_len": seq_len, "min_distance": min_distance,
