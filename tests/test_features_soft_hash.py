@@ -14,7 +14,7 @@ D = 8
 
 
 def _randomized(seed, **kwargs):
-    fm = SoftHashFeatureMap(D, num_features=6, seed=seed, **kwargs).double()
+    fm = SoftHashFeatureMap(D, **{"num_features": 6, **kwargs}, seed=seed).double()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in fm.parameters():
@@ -72,6 +72,47 @@ def test_a_sharp_map_retrieves_a_lone_key_without_a_one_over_t_floor():
     assert lone, "no key alone in its bucket"
     s = fm.approx_kernel(keys[lone[:1]], keys).detach()  # (1, 4t)
     assert float(s[0, lone[0]] / s.sum()) > 0.99
+
+
+@pytest.mark.parametrize("factors,f", [(1, 6), (2, 9)])
+def test_unit_directions_use_each_column_rescaled_to_norm_sqrt_d(factors, f):
+    """unit_directions: the map of W equals the plain map of W with every column set to
+    √D·w/‖w‖ (values and gradients through the rescaling), and a column's length no longer
+    matters."""
+    fm = _randomized(3, unit_directions=True, factors=factors, num_features=f)
+    plain = _randomized(3, factors=factors, num_features=f)
+    with torch.no_grad():
+        for name in ("weight_q", "weight_k"):
+            w = getattr(fm, name)
+            getattr(plain, name).copy_(w * math.sqrt(D) / w.norm(dim=0))
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    y = torch.randn(2, 5, D, dtype=torch.float64)
+    for role in ("query", "key"):
+        assert torch.allclose(getattr(fm, role)(x), getattr(plain, role)(x), rtol=1e-12, atol=0)
+    assert torch.allclose(fm.approx_kernel(x, y), fm.target_kernel(x, y), rtol=1e-12, atol=0)
+    with torch.no_grad():  # lengthening one column changes nothing
+        fm.weight_q[:, 1] *= 7.0
+        fm.weight_k[:, 0] *= 0.1
+    assert torch.allclose(fm.query(x), plain.query(x), rtol=1e-12, atol=0)
+    assert torch.allclose(fm.key(x), plain.key(x), rtol=1e-12, atol=0)
+    (g,) = torch.autograd.grad(fm.key(x)[..., 0].sum(), [fm.weight_k])
+    w = fm.weight_k.detach()  # d/dW of a function of W/‖W‖ is orthogonal to each column
+    assert torch.allclose((g * w).sum(0), torch.zeros(w.shape[1], dtype=torch.float64), atol=1e-12)
+    assert "unit_directions=True" in repr(fm)
+
+
+def test_unit_directions_fill_the_buckets_evenly_on_isotropic_inputs():
+    """With Gaussian columns (norms √D ± 9 %) the longer columns win more inputs; rescaled to
+    one norm they win alike: the mean bucket mass over many isotropic inputs is flatter."""
+    dim, f = 64, 256
+    x = torch.nn.functional.layer_norm(torch.randn(20000, dim, dtype=torch.float64), (dim,))
+    spread = {}
+    for unit in (False, True):
+        fm = SoftHashFeatureMap(dim, num_features=f, temperature=8.0, seed=0,
+                                unit_directions=unit).double()  # fmt: skip
+        mass = fm.key(x).mean(0).detach()  # (F,): the share of inputs per bucket
+        spread[unit] = float(mass.std() / mass.mean())
+    assert spread[True] < 0.6 * spread[False], spread
 
 
 def test_temperature_is_learned_or_fixed():

@@ -153,6 +153,7 @@ BATCHED = [
     ("hedgehog", {"shared": True, "num_features": 5, "output_scale": 2.0}),
     ("soft_hash", {"num_features": 12}),
     ("soft_hash", {"num_features": 16, "factors": 2, "output_scale": 2.0}),
+    ("soft_hash", {"num_features": 9, "factors": 2, "unit_directions": True}),
     (
         "soft_hash",
         {

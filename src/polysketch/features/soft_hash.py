@@ -40,6 +40,17 @@ and the decode state keep F = B^m entries, but the projection is D × mB instead
 (64 × 46 instead of 64 × 529 for B = 23, m = 2), and F = B^m buckets cost only m·B softmax
 entries per token. ``factors=1`` is (1)–(2).
 
+**Unit directions** (``unit_directions=True``): every bucket direction is rescaled to the
+norm √D of a LayerNorm'd input before use, w_f ← √D · w_f / ‖w_f‖ (in the forward, so it
+holds while W trains), and the logits τ · x·w_f / √D = τ ‖x‖ cos(x, w_f) depend on the
+directions only. Gaussian columns have norms √D ± 9 %; a bucket with a longer column wins
+more inputs, so the buckets are unevenly filled and unrelated keys collide more often than
+1/F. Equal norms make the buckets equally likely on isotropic inputs, which is what the
+exact-match weight s* / Σ_j s_j of a key among t others depends on:
+``docs/results/long_context/retrieval_unit/`` measures 0.20 / 0.086 / 0.029 of the weight at
+t = 4k (query = key / cosine 0.9 / 0.7, F = 1024, τ = 24, LayerNorm'd Gaussians) against
+0.18 / 0.068 / 0.014 with the raw Gaussian columns.
+
 The target kernel is the map's own (2) or (4), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
@@ -113,6 +124,7 @@ class SoftHashFeatureMap(FeatureMap):
         "learn_temperature": Hyperparameter(True, "τ is a parameter (else a buffer)"),
         "shared": Hyperparameter(False, "one W for queries and keys"),
         "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features (scores × c²)"),
+        "unit_directions": Hyperparameter(False, "rescale each bucket direction to norm √D"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -127,6 +139,7 @@ class SoftHashFeatureMap(FeatureMap):
         learn_temperature: bool = True,
         shared: bool = False,
         output_scale: float = 1.0,
+        unit_directions: bool = False,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -139,10 +152,12 @@ class SoftHashFeatureMap(FeatureMap):
         self.factors = check_positive_int(factors, "factors")
         self.buckets = _root(self.num_features, self.factors)  # B: F = B^m
         temperature = check_float(temperature, "temperature", minimum=0.0, strict_minimum=True)
-        for name, flag in (("learn_temperature", learn_temperature), ("shared", shared)):
+        flags = (("learn_temperature", learn_temperature), ("shared", shared),
+                 ("unit_directions", unit_directions))  # fmt: skip
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        self.shared = shared
+        self.shared, self.unit_directions = shared, unit_directions
         self.output_scale = check_float(
             output_scale, "output_scale", minimum=0.0, strict_minimum=True
         )
@@ -169,6 +184,8 @@ class SoftHashFeatureMap(FeatureMap):
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
         unless x has fewer rows than D (a decoding step)."""
         w = self.weight_k if key and not self.shared else self.weight_q
+        if self.unit_directions:  # √D · w_f / ‖w_f‖ per column
+            w = w * (math.sqrt(self.dim) / w.norm(dim=0).clamp_min(1e-12))
         scale = self.log_temperature.exp() / math.sqrt(self.dim)
         if x.dim() >= 2 and x.shape[-2] < self.dim:
             return (x @ w.to(x.dtype)) * scale.to(x.dtype)
@@ -202,4 +219,5 @@ class SoftHashFeatureMap(FeatureMap):
         return (
             f"dim={self.dim}, num_features={self.num_features}, factors={self.factors}, "
             f"temperature={self.temperature:.4g}, shared={self.shared}"
+            + (", unit_directions=True" if self.unit_directions else "")
         )

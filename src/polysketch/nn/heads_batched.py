@@ -12,7 +12,8 @@ the map's own code:
   psf presets) or ``"product"``: ``PolySketch._sketch`` with a head axis;
 * ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale;
 * ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale (or the product of ``factors``
-  softmaxes, ``features.soft_hash.product_softmax``).
+  softmaxes, ``features.soft_hash.product_softmax``), W_h's columns rescaled to norm √D with
+  ``unit_directions``.
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
 as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
@@ -114,6 +115,10 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     with W_h = the key weights for keys (unless shared)."""
     which = "k" if role == "key" and not template.shared else "q"
     weight = params[f"map.weight_{which}"]  # (H, D, m·B)
+    if template.unit_directions:  # √D · w_f / ‖w_f‖ per column of each head's W_h
+        weight = weight * (
+            math.sqrt(template.dim) / weight.norm(dim=-2, keepdim=True).clamp_min(1e-12)
+        )
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
     if log_t is None:
         log_t = buffers["map.log_temperature"]
