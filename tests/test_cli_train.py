@@ -237,8 +237,11 @@ def test_train_takes_a_model_preset(tmp_path, capsys):
                  "--max-new-tokens", "3"]) == 0  # fmt: skip
     one = tmp_path / "one_head"
     assert main(["train", "--attention", "soft_hash_local", "--global-heads", "1", "--steps", "2",
-                 "--out", str(one), *TINY]) == 0  # fmt: skip
-    assert load_checkpoint(one / "ckpt.pt", restore_rng=False)["model_config"]["global_heads"] == 1
+                 "--value-dim", "4", "--out", str(one), *TINY]) == 0  # fmt: skip
+    config = load_checkpoint(one / "ckpt.pt", restore_rng=False)["model_config"]
+    assert (config["global_heads"], config["value_dim"]) == (1, 4)
+    assert main(["generate", "--checkpoint", str(one / "ckpt.pt"), "--prompt", "ab",
+                 "--max-new-tokens", "3"]) == 0  # fmt: skip
     assert main(["train", "--attention", "psf_random", "--global-heads", "1", "--steps", "2",
                  "--out", str(tmp_path / "bad"), *TINY]) == 2  # fmt: skip
     assert "error:" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""Short convolution and separate q/k size in KernelAttention / TransformerLM (BASED / Zoology's
-model options): the convolution against its formula, causality, padding, decoding in pieces,
-state sizes, and errors."""
+"""Short convolution and separate q/k and value sizes in KernelAttention / TransformerLM
+(BASED / Zoology's model options): the convolution against its formula, causality, padding,
+decoding in pieces, state sizes, and errors."""
 
 import pytest
 import torch
@@ -69,6 +69,9 @@ def _layer(attention, **kw):
         ("psf_random", {"short_conv": 3}),
         ("psf_mixed", {"short_conv": 2, "qk_dim": 4}),
         ("taylor", {"short_conv": 3, "qk_dim": 4}),
+        ("psf_random", {"value_dim": 3}),
+        ("softmax", {"value_dim": 5, "short_conv": 3}),
+        ("soft_hash_1k", {"value_dim": 3, "num_features": 6, "unit_directions": True}),
     ],
 )
 def test_decode_in_pieces_equals_full_forward(attention, kw):
@@ -94,6 +97,69 @@ def test_qk_dim_shapes_and_state_size():
     assert kv.decode_state_size(10) == H * (4 + E // H) * 10 + 2 * (2 * H * 4 + E)
     same = _layer("psf_random")  # default qk_dim = head dim: the old (3E, E) projection
     assert same.qk_dim == E // H and same.qkv.weight.shape == (3 * E, E)
+
+
+@pytest.mark.parametrize("attention", ["psf_random", "soft_hash_1k", "softmax", "psf_mixed"])
+def test_value_dim_equals_the_wide_layer_with_zero_value_columns(attention):
+    """value_dim D_v < D: the layer equals the default-width layer whose value columns past
+    D_v in every head, and the output projection's matching inputs, are zero (values and
+    input gradients): the narrow values are laid out head by head like the wide ones."""
+    dv, d = 3, E // H
+    narrow = _layer(attention, value_dim=dv)
+    wide = _layer(attention)
+    assert narrow.qkv.weight.shape == (2 * E + H * dv, E)
+    assert narrow.out_proj.weight.shape == (E, H * dv)
+    if attention != "psf_mixed":  # (mixed also keeps its current block's keys and values)
+        per_head = (
+            9 * (d + dv) if attention == "softmax" else narrow.feature_map.state_dim * (dv + 1)
+        )
+        assert narrow.decode_state_size(9) == H * per_head
+    wide.load_state_dict(  # feature maps, norms: the same draws; projections set below
+        {
+            k: v
+            for k, v in narrow.state_dict().items()
+            if k not in ("qkv.weight", "out_proj.weight")
+        },
+        strict=False,
+    )
+    with torch.no_grad():
+        w = torch.zeros_like(wide.qkv.weight)
+        w[: 2 * E] = narrow.qkv.weight[: 2 * E]
+        o = torch.zeros_like(wide.out_proj.weight)
+        for h in range(H):
+            w[2 * E + h * d : 2 * E + h * d + dv] = narrow.qkv.weight[
+                2 * E + h * dv : 2 * E + (h + 1) * dv
+            ]
+            o[:, h * d : h * d + dv] = narrow.out_proj.weight[:, h * dv : (h + 1) * dv]
+        wide.qkv.weight.copy_(w)
+        wide.out_proj.weight.copy_(o)
+    x = torch.randn(2, 11, E, dtype=torch.float64, requires_grad=True)
+    y_narrow, y_wide = narrow(x), wide(x)
+    assert rel_err(y_narrow, y_wide) < 1e-12
+    g = torch.randn_like(y_wide)
+    (gx_n,) = torch.autograd.grad((y_narrow * g).sum(), [x])
+    (gx_w,) = torch.autograd.grad((y_wide * g).sum(), [x])
+    assert rel_err(gx_n, gx_w) < 1e-12
+    assert "value_dim=3" in repr(narrow)
+
+
+def test_model_value_dim_beside_a_window_decodes_as_it_forwards():
+    cfg = TransformerConfig(
+        vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, attention="soft_hash_1k",
+        map_kwargs={"num_features": 6}, chunk_size=4, local_window=4, global_heads=1, value_dim=3,
+    )  # fmt: skip
+    model = TransformerLM(cfg).double().eval()
+    attn = model.blocks[0].attn
+    assert (attn.num_heads, attn.qk_dim, attn.value_dim) == (1, 8, 3)
+    assert model.blocks[0].decode_state_size(10) == 6 * (3 + 1) + 2 * 4 * (8 + 8)
+    prompt = torch.randint(0, 32, (2, 5))
+    out = model.generate(prompt, max_new_tokens=6, temperature=0.0)
+    seq = prompt
+    for _ in range(6):
+        logits = model(seq)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
 
 
 def test_padding_does_not_leak_through_convolution():
@@ -135,3 +201,12 @@ def test_bad_arguments():
         TransformerConfig(short_conv=1).validate()
     with pytest.raises(ValueError, match="qk_dim"):
         TransformerConfig(qk_dim=0).validate()
+    with pytest.raises(ValueError, match="value_dim"):
+        KernelAttention(E, H, value_dim=0)
+    with pytest.raises(TypeError, match="value_dim"):
+        KernelAttention(E, H, value_dim=2.5)
+    with pytest.raises(ValueError, match="value_dim"):
+        TransformerConfig(value_dim=-1).validate()
+    with pytest.raises(ValueError, match="value_dim must stay None"):
+        TransformerConfig(attention="soft_hash_1k", local_window=4, local_shared=True,
+                          value_dim=4).validate()  # fmt: skip

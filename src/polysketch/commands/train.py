@@ -121,6 +121,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--qk-dim", type=int, default=None, help="per-head query/key size (default: head dim)"
     )
     model.add_argument(
+        "--value-dim", type=int, default=None,
+        help="per-head value size of the attention (default: n_embd / its heads)",
+    )  # fmt: skip
+    model.add_argument(
         "--short-conv", type=int, default=0, metavar="K",
         help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
     )  # fmt: skip
@@ -220,6 +224,7 @@ def _configs_from_args(args):
         chunk_size=args.chunk_size,
         rope=not args.no_rope,
         qk_dim=args.qk_dim,
+        value_dim=args.value_dim,
         short_conv=args.short_conv,
         local_window=args.local_window,
         local_shared=args.local_shared,

@@ -48,6 +48,9 @@ class KernelAttention(AttentionCore):
         qk_dim: D_qk, the per-head size of queries and keys (default D): the feature maps'
             input dim. BASED projects q and k to 16 dims so that its degree-2 Taylor map
             stays small (1 + 16 + 256 features) while values keep D.
+        value_dim: D_v, the per-head size of values (default D): the output projection reads
+            H·D_v. A head's decode state is F′·(D_v + 1), so a wide feature map can keep a
+            state budget with narrower values (``TransformerConfig.value_dim``).
         short_conv: K ≥ 2 puts a causal depthwise convolution of K taps + SiLU on the
             projected q, k, v (BASED / Zoology / fla; ``polysketch.nn.short_conv``); 0 = off.
         attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
@@ -96,6 +99,7 @@ class KernelAttention(AttentionCore):
         layer_index: int = 0,
         checkpoint: bool = False,
         qk_dim: int | None = None,
+        value_dim: int | None = None,
         short_conv: int = 0,
         mixed: bool = False,
         learn_balance: bool = False,
@@ -109,6 +113,7 @@ class KernelAttention(AttentionCore):
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         head_dim = embed_dim // num_heads
         qk_dim = head_dim if qk_dim is None else check_positive_int(qk_dim, "qk_dim")
+        value_dim = head_dim if value_dim is None else check_positive_int(value_dim, "value_dim")
         short_conv = check_int(short_conv, "short_conv", minimum=0)
         if short_conv == 1:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
@@ -118,20 +123,20 @@ class KernelAttention(AttentionCore):
         if denominator_offset is not None:
             denominator_offset = check_float(denominator_offset, "denominator_offset")
         super().__init__(
-            attention, qk_dim=qk_dim, num_heads=num_heads, value_dim=head_dim, causal=causal,
+            attention, qk_dim=qk_dim, num_heads=num_heads, value_dim=value_dim, causal=causal,
             chunk_size=chunk_size, qk_norm=qk_norm, denominator_offset=denominator_offset,
             seed=seed, layer_index=layer_index, checkpoint=checkpoint, mixed=mixed,
             learn_balance=learn_balance, window=window, **map_kwargs,
         )  # fmt: skip
         self.embed_dim, self.head_dim, self.short_conv = embed_dim, head_dim, short_conv
         e, h = self.embed_dim, self.num_heads
-        self._split = (h * self.qk_dim, h * self.qk_dim, e)  # q, k, v columns of qkv
+        self._split = (h * self.qk_dim, h * self.qk_dim, h * self.value_dim)  # q, k, v of qkv
         if not projections and short_conv:
             raise ValueError("short_conv needs projections=True (the convolution is part of "
                              "the projections a shared branch does not own)")  # fmt: skip
         self.qkv = nn.Linear(e, sum(self._split), bias=bias) if projections else None
         self.conv = ShortConv(sum(self._split), self.short_conv) if self.short_conv else None
-        self.out_proj = nn.Linear(e, e, bias=bias) if projections else None
+        self.out_proj = nn.Linear(h * self.value_dim, e, bias=bias) if projections else None
         self.q_norm = nn.LayerNorm(self.qk_dim) if self.spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.qk_dim) if self.spec.qk_norm else None
         self.rotary = RotaryEmbedding(self.qk_dim) if rope else None
@@ -139,7 +144,7 @@ class KernelAttention(AttentionCore):
     def decode_state_size(self, seq_len: int) -> int:
         """Floats this layer's cache holds per sequence after ``seq_len`` tokens: the core's
         (``AttentionCore.decode_state_size``) plus, with a short convolution of K taps, the
-        last K - 1 projections (K - 1)·H·(2·D_qk + D)."""
+        last K - 1 projections (K - 1)·H·(2·D_qk + D_v)."""
         t = check_int(seq_len, "seq_len", minimum=0)
         conv = min(t, self.short_conv - 1) * sum(self._split) if self.short_conv else 0
         return super().decode_state_size(t) + conv
@@ -185,7 +190,7 @@ class KernelAttention(AttentionCore):
         shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """The attention of ``forward`` from its projection: qkv = x W_qkv (B, T, H·(2·D_qk +
-        D)) -> the heads' outputs O (B, H, T, D), before the output projection (short
+        D_v)) -> the heads' outputs O (B, H, T, D_v), before the output projection (short
         convolution, q/k norm, RoPE and the core run here; the arguments as ``forward``'s).
         Two branches of one layer that share their projections call it on the same qkv
         (``TransformerConfig.local_shared``)."""
@@ -303,7 +308,8 @@ class KernelAttention(AttentionCore):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"attention={self.attention!r}, causal={self.causal}, qk_dim={self.qk_dim}, "
-            f"short_conv={self.short_conv}, "
+            + (f"value_dim={self.value_dim}, " if self.value_dim != self.head_dim else "")
+            + f"short_conv={self.short_conv}, "
             f"chunk_size={self.chunk_size}, denominator_offset={self.denominator_offset:g}, "
             f"layer_index={self.layer_index}"
             + (f", algorithm={self.algorithm!r}" if self.algorithm == "mixed" else "")

@@ -56,6 +56,7 @@ class TransformerConfig:
     seed: int = 0  # base seed of the feature maps' random buffers
     tie_embeddings: bool = True
     qk_dim: int | None = None  # per-head query/key size (default n_embd / n_head; BASED: 16)
+    value_dim: int | None = None  # per-head value size of the attention (default n_embd / heads)
     short_conv: int = 0  # kernel size of the short convolution on q, k, v (0 = off)
     qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
     mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
@@ -110,8 +111,9 @@ class TransformerConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         check_int(self.seed, "seed", minimum=0)
-        if self.qk_dim is not None:
-            check_positive_int(self.qk_dim, "qk_dim")
+        for name in ("qk_dim", "value_dim"):
+            if getattr(self, name) is not None:
+                check_positive_int(getattr(self, name), name)
         check_int(self.short_conv, "short_conv", minimum=0)
         if self.short_conv == 1:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
@@ -143,6 +145,9 @@ class TransformerConfig:
         heads = self.attention_heads()
         if self.n_embd % heads:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")
+        if self.shares_projections() and self.value_dim is not None:
+            raise ValueError("local_shared=True shares one q/k/v projection between the "
+                             "branches: value_dim must stay None (the heads' width)")  # fmt: skip
         if self.shares_projections() and heads != self.n_head:
             raise ValueError(f"local_shared=True needs global_heads = n_head ({self.n_head}): "
                              f"the branches share one q/k/v projection, got {heads}")  # fmt: skip
@@ -191,7 +196,8 @@ class Block(nn.Module):
 
     With ``config.global_heads = g`` (beside a window) the global branch has g heads, each
     with q/k of ``qk_dim`` (default the model's head dim n_embd / n_head, so its feature map
-    keeps its input size) and values of n_embd / g, while the window keeps n_head heads:
+    keeps its input size) and values of n_embd / g (or ``config.value_dim``), while the window
+    keeps n_head heads:
     ``soft_hash_local`` reads far context through one such head per layer, its feature map
     and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
     """
@@ -211,6 +217,7 @@ class Block(nn.Module):
             heads,
             attention=attention,
             qk_dim=qk_dim,
+            value_dim=config.value_dim,
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
             mixed=config.mixed,
