@@ -176,6 +176,14 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
     assert cli.main(["bench", "--quick", "--attentions", "psf_random", "--out", str(tmp_path),
                      "--overwrite"]) == 2  # fmt: skip
     assert "with --model or --decode only" in capsys.readouterr().err
+    for mode in (["--model", "--lengths", "32"], ["--decode", "--decode-positions", "8"]):
+        fresh = tmp_path / f"bad_value{mode[0]}"  # a map keyword of the wrong type: refused
+        bad = ["bench", *mode, "--attentions", "psf_random,soft_hash_1k:num_features=x",
+               "--out", str(fresh)]  # fmt: skip
+        assert cli.main(bad) == 2
+        err = capsys.readouterr().err
+        assert "error: attentions 'soft_hash_1k:num_features=x': num_features must be" in err
+        assert not fresh.exists()  # before --out is made, before anything is timed
     png = (tmp_path / "model_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -28,6 +28,7 @@ from ..eval.bench import (
     MODES,
     BenchConfig,
     ModelBenchConfig,
+    check_model_attentions,
     format_model_report,
     format_report,
     parse_lengths,
@@ -129,12 +130,17 @@ def run_from_args(args) -> int:
     2 with an ``error:`` line.
     """
     try:  # every option is checked before anything runs
-        config = None if args.decode else _model_config(args) if args.model else _config(args)
+        if args.decode:
+            config = _decode_config(args)
+        else:
+            config = _model_config(args) if args.model else _config(args)
         if args.attentions is not None:
             if not (args.model or args.decode):
                 raise ValueError("attentions is taken with --model or --decode only")
             parse_attentions(args.attentions)
-    except ValueError as err:
+        if args.model:
+            check_model_attentions(config)
+    except (ValueError, TypeError) as err:
         return fail("bench", err)
     try:
         check_device(args.device)
@@ -143,7 +149,7 @@ def run_from_args(args) -> int:
         return fail("bench", err)
     try:
         if args.decode:
-            return _run_decode(args, out)
+            return _run_decode(config, args, out)
         if args.model:
             result = run_model_benchmark(config)
             csv_path, png_path = write_model_outputs(result, out)
@@ -162,19 +168,13 @@ def run_from_args(args) -> int:
     return 0
 
 
-def _run_decode(args, out) -> int:
-    """``--decode``: time whole-model decoding, print the table, write decode_results.csv."""
-    import torch
-
-    from ..eval.bench.decode import (
-        DecodeBenchConfig,
-        format_decode_report,
-        run_decode_benchmark,
-        write_decode_csv,
-    )
+def _decode_config(args):
+    """The checked ``DecodeBenchConfig`` of parsed ``args`` (``--decode``): every attention's
+    model is built once, so a bad option is reported before ``--out`` is touched."""
+    from ..eval.bench.decode import DecodeBenchConfig
 
     if args.threads is not None:
-        torch.set_num_threads(check_positive_int(args.threads, "threads"))
+        check_positive_int(args.threads, "threads")
     positions = (256, 1024) if args.quick else (2048, 16384)
     if args.decode_positions:
         positions = parse_lengths(args.decode_positions)
@@ -182,6 +182,17 @@ def _run_decode(args, out) -> int:
     config = DecodeBenchConfig(positions=positions, device=args.device, seed=args.seed, **extra,
                                tokens=8 if args.quick else 32,
                                repeats=1 if args.quick else 3)  # fmt: skip
+    return config.check_attentions()
+
+
+def _run_decode(config, args, out) -> int:
+    """``--decode``: time whole-model decoding, print the table, write decode_results.csv."""
+    import torch
+
+    from ..eval.bench.decode import format_decode_report, run_decode_benchmark, write_decode_csv
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows = run_decode_benchmark(config)
     path = write_decode_csv(rows, out / "decode_results.csv")
     print(format_decode_report(rows, f"TransformerLM 4 x 256 on {args.device}: decode ms/token"))

@@ -23,7 +23,13 @@ from .attention import (
     run_benchmark,
 )
 from .costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
-from .model import ModelBenchConfig, format_model_report, run_model_benchmark, write_model_outputs
+from .model import (
+    ModelBenchConfig,
+    check_model_attentions,
+    format_model_report,
+    run_model_benchmark,
+    write_model_outputs,
+)
 from .report import CSV_FIELDS, format_report, plot_results, write_csv
 from .timing import MALLOC_TOP_PAD, Timing, peak_memory, set_malloc_top_pad, time_call
 
@@ -47,6 +53,7 @@ __all__ = [
     "plot_results",
     "run_benchmark",
     "run_model_benchmark",
+    "check_model_attentions",
     "sdpa_flops",
     "sdpa_memory",
     "set_malloc_top_pad",

@@ -22,7 +22,7 @@ import io
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +60,18 @@ class DecodeBenchConfig:
         check_int(self.warmup, "warmup", minimum=0)
         for p in self.positions:
             check_positive_int(p, "positions")
+        return self
+
+    def check_attentions(self) -> DecodeBenchConfig:
+        """``validate``, then build every attention's model once on the CPU, so that a bad
+        option (a map keyword of the wrong type) raises its ValueError/TypeError, naming the
+        attention, before anything is timed."""
+        self.validate()
+        for attention in self.attentions:
+            try:
+                _model(replace(self, device="cpu"), attention)
+            except (ValueError, TypeError) as err:
+                raise type(err)(f"attentions {attention!r}: {err}") from err
         return self
 
 

@@ -32,6 +32,7 @@ from .timing import peak_memory, time_call
 __all__ = [
     "ModelBenchConfig",
     "run_model_benchmark",
+    "check_model_attentions",
     "format_model_report",
     "write_model_outputs",
     "MODEL_FIELDS",
@@ -91,6 +92,26 @@ class ModelBenchConfig:
         return out
 
 
+def _model_config(cfg: ModelBenchConfig, attention: str, t: int) -> TransformerConfig:
+    """The TransformerConfig that ``attention`` is timed with at length ``t``."""
+    return TransformerConfig(
+        vocab_size=256, block_size=t, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+        seed=cfg.seed, **config_options(attention, chunk_size=cfg.chunk_size),
+    ).validate()  # fmt: skip
+
+
+def check_model_attentions(config: ModelBenchConfig) -> None:
+    """Build every attention's model once on the CPU (no step runs), so that a bad option,
+    such as a map keyword of the wrong type, raises its ValueError/TypeError before anything
+    is timed or written."""
+    cfg = config.resolved()
+    for attention in cfg.attentions:
+        try:
+            TransformerLM(_model_config(cfg, attention, min(cfg.contexts)))
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"attentions {attention!r}: {err}") from err
+
+
 def _step(model, optimizer, idx, amp: str | None) -> None:
     with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
         _, loss = model(idx[:, :-1], idx[:, 1:])
@@ -121,12 +142,7 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
                 bar.set_postfix_str(f"{attention} T={t}")
                 row = dict.fromkeys(MODEL_FIELDS, "")
                 row.update(attention=attention, T=t)
-                model_config = TransformerConfig(
-                    vocab_size=256, block_size=t, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                    n_embd=cfg.n_embd, seed=cfg.seed,
-                    **config_options(attention, chunk_size=cfg.chunk_size),
-                )  # fmt: skip
-                model = TransformerLM(model_config).to(device)
+                model = TransformerLM(_model_config(cfg, attention, t)).to(device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 runner = model if cfg.compile is None else torch.compile(model, backend=cfg.compile)
                 gen = torch.Generator().manual_seed(cfg.seed)
