@@ -47,9 +47,9 @@ directions only. Gaussian columns have norms √D ± 9 %; a bucket with a longer
 more inputs, so the buckets are unevenly filled and unrelated keys collide more often than
 1/F. Equal norms make the buckets equally likely on isotropic inputs, which is what the
 exact-match weight s* / Σ_j s_j of a key among t others depends on:
-``docs/results/long_context/retrieval_unit/`` measures 0.20 / 0.086 / 0.029 of the weight at
+``docs/results/long_context/retrieval_unit/`` measures 0.190 / 0.077 / 0.027 of the weight at
 t = 4k (query = key / cosine 0.9 / 0.7, F = 1024, τ = 24, LayerNorm'd Gaussians) against
-0.18 / 0.068 / 0.014 with the raw Gaussian columns.
+0.152 / 0.067 / 0.025 with the raw Gaussian columns.
 
 The target kernel is the map's own (2) or (4), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
