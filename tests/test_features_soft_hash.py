@@ -101,6 +101,29 @@ def test_unit_directions_use_each_column_rescaled_to_norm_sqrt_d(factors, f):
     assert "unit_directions=True" in repr(fm)
 
 
+def test_temperature_rate_stores_log_tau_over_r_and_scales_its_gradient():
+    """temperature_rate r: τ = exp(r·θ) with θ stored; the features equal the rate-1 map's at
+    the same τ, and dL/dθ = r · dL/d(log τ)."""
+    fast = SoftHashFeatureMap(D, num_features=6, temperature=5.0, temperature_rate=10.0,
+                              seed=4).double()  # fmt: skip
+    plain = SoftHashFeatureMap(D, num_features=6, temperature=5.0, seed=4).double()
+    assert abs(fast.temperature - 5.0) < 1e-6 and abs(plain.temperature - 5.0) < 1e-6
+    assert abs(float(fast.log_temperature.detach()) - math.log(5.0) / 10) < 1e-7
+    x = torch.randn(3, 7, D, dtype=torch.float64)
+    y = torch.randn(3, 4, D, dtype=torch.float64)
+    for role in ("query", "key"):
+        assert torch.allclose(getattr(fast, role)(x), getattr(plain, role)(x), rtol=1e-6, atol=0)
+    w = torch.randn(3, 7, 4, dtype=torch.float64)
+    (g_fast,) = torch.autograd.grad((fast.approx_kernel(x, y) * w).sum(), [fast.log_temperature])
+    (g_plain,) = torch.autograd.grad((plain.approx_kernel(x, y) * w).sum(), [plain.log_temperature])
+    # (θ and log τ start as float32 roundings of log 5 / 10 and log 5: τ differs by ~1e-7)
+    assert torch.allclose(g_fast, 10.0 * g_plain, rtol=1e-3)
+    assert torch.allclose(fast.approx_kernel(x, y), fast.target_kernel(x, y), rtol=1e-12, atol=0)
+    assert "temperature_rate=10" in repr(fast) and "temperature_rate" not in repr(plain)
+    with pytest.raises(ValueError, match="temperature_rate"):
+        SoftHashFeatureMap(D, temperature_rate=0.0)
+
+
 def test_unit_directions_fill_the_buckets_evenly_on_isotropic_inputs():
     """With Gaussian columns (norms √D ± 9 %) the longer columns win more inputs; rescaled to
     one norm they win alike: the mean bucket mass over many isotropic inputs is flatter."""

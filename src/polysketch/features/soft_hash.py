@@ -51,10 +51,17 @@ exact-match weight s* / Σ_j s_j of a key among t others depends on:
 t = 4k (query = key / cosine 0.9 / 0.7, F = 1024, τ = 24, LayerNorm'd Gaussians) against
 0.152 / 0.067 / 0.025 with the raw Gaussian columns.
 
+**Temperature rate** (``temperature_rate = r``, default 1): τ = exp(r·θ), with θ the stored
+parameter ``log_temperature`` (= log τ / r). Adam moves a parameter by about its learning
+rate per step whatever the gradient's size, so with r = 1 log τ moves by ≤ lr per step: in
+the 400-step copy runs τ stayed within 7.7–9.3 of its start 8. With r = 10 the model can
+sharpen its buckets once they are useful (a copy run's retrieving layer went from τ = 8 to
+19.6) while starting soft enough to learn (a sharp start, τ = 16–24, learned no copy).
+
 The target kernel is the map's own (2) or (4), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
-start from the same draw), ``log_temperature`` (a scalar, a buffer when
+start from the same draw), ``log_temperature`` (a scalar θ = log τ / r, a buffer when
 ``learn_temperature=False``); stored float32, cast to the input's compute dtype at use.
 """
 
@@ -125,6 +132,7 @@ class SoftHashFeatureMap(FeatureMap):
         "shared": Hyperparameter(False, "one W for queries and keys"),
         "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features (scores × c²)"),
         "unit_directions": Hyperparameter(False, "rescale each bucket direction to norm √D"),
+        "temperature_rate": Hyperparameter(1.0, "r > 0: τ = exp(r·θ), θ the stored parameter"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -140,6 +148,7 @@ class SoftHashFeatureMap(FeatureMap):
         shared: bool = False,
         output_scale: float = 1.0,
         unit_directions: bool = False,
+        temperature_rate: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -165,7 +174,10 @@ class SoftHashFeatureMap(FeatureMap):
         w = gaussian(self.dim, columns, generator=make_generator(seed, generator))
         self.weight_q = nn.Parameter(w.float().clone())
         self.weight_k = None if shared else nn.Parameter(w.float().clone())
-        log_t = torch.tensor(math.log(temperature), dtype=torch.float32)
+        self.temperature_rate = check_float(
+            temperature_rate, "temperature_rate", minimum=0.0, strict_minimum=True
+        )
+        log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
         if learn_temperature:
             self.log_temperature = nn.Parameter(log_t)
         else:
@@ -177,8 +189,8 @@ class SoftHashFeatureMap(FeatureMap):
 
     @property
     def temperature(self) -> float:
-        """τ = exp(log τ), the current temperature."""
-        return float(self.log_temperature.detach().exp())
+        """τ = exp(r·θ), the current temperature (θ = ``log_temperature``, r its rate)."""
+        return float((self.log_temperature.detach() * self.temperature_rate).exp())
 
     def _logits(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
@@ -186,7 +198,7 @@ class SoftHashFeatureMap(FeatureMap):
         w = self.weight_k if key and not self.shared else self.weight_q
         if self.unit_directions:  # √D · w_f / ‖w_f‖ per column
             w = w * (math.sqrt(self.dim) / w.norm(dim=0).clamp_min(1e-12))
-        scale = self.log_temperature.exp() / math.sqrt(self.dim)
+        scale = (self.log_temperature * self.temperature_rate).exp() / math.sqrt(self.dim)
         if x.dim() >= 2 and x.shape[-2] < self.dim:
             return (x @ w.to(x.dtype)) * scale.to(x.dtype)
         return x @ (w * scale).to(x.dtype)
@@ -220,4 +232,9 @@ class SoftHashFeatureMap(FeatureMap):
             f"dim={self.dim}, num_features={self.num_features}, factors={self.factors}, "
             f"temperature={self.temperature:.4g}, shared={self.shared}"
             + (", unit_directions=True" if self.unit_directions else "")
+            + (
+                f", temperature_rate={self.temperature_rate:g}"
+                if self.temperature_rate != 1
+                else ""
+            )
         )

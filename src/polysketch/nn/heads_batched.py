@@ -122,6 +122,7 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
     if log_t is None:
         log_t = buffers["map.log_temperature"]
+    log_t = log_t * template.temperature_rate  # τ_h = exp(r·θ_h)
     scale = (log_t.exp() / math.sqrt(template.dim))[:, None, None]  # (H, 1, 1)
     if x.shape[-2] < weight.shape[-2]:  # T < D (decoding): scale the T × F logits
         logits = (x @ as_dtype(weight, x.dtype)) * as_dtype(scale, x.dtype)
