@@ -71,6 +71,51 @@ def test_retrieval_on_qk_captured_from_a_trained_model(tmp_path):
     assert "after the q/k LayerNorm and RoPE" in (out / "retrieval.md").read_text()
 
 
+def test_retrieval_measures_a_trained_models_own_maps(tmp_path, capsys):
+    """--trained: every layer/head map of a trained soft_hash model, as trained (its rows
+    equal match_weights of that head's map; a model without feature maps is refused)."""
+    import torch
+    from experiments.long_context.inputs import layer_norm_gaussian, near_queries
+    from experiments.long_context.retrieval import FeatureKernel, match_weights
+
+    from polysketch.data.corpus import Corpus
+    from polysketch.random import make_generator
+    from polysketch.train import load_model
+
+    tokens = torch.randint(0, 256, (6000,), generator=torch.Generator().manual_seed(0))
+    corpus = Corpus(train=tokens[:5000], val=tokens[5000:], vocab_size=256, source="test")
+    runs = {}
+    for name, attention in (("hash", "soft_hash_1k"), ("poly", "polynomial")):
+        cfg = TransformerConfig(n_layer=2, n_head=2, n_embd=32, block_size=32,
+                                attention=attention, map_kwargs={"num_features": 12}
+                                if attention == "soft_hash_1k" else {})  # fmt: skip
+        runs[name] = tmp_path / name
+        train(cfg, TrainConfig(steps=3, batch_size=2, warmup_steps=0, lr=3e-2, eval_interval=None,
+                               eval_batches=1, out_dir=str(runs[name])), corpus, progress=False)  # fmt: skip
+    out = tmp_path / "ret"
+    argv = ["retrieval", "--smoke", "--no-progress", "--out", str(out), "--attentions", "softmax",
+            "--trained", str(runs["hash"] / "ckpt.pt"), "--draws", "1"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    rows = _rows(out / "retrieval.csv")
+    names = sorted({r["attention"] for r in rows if r["attention"].startswith("trained:")})
+    assert names == [f"trained:hash:layer{i}.head{h}" for i in (0, 1) for h in (0, 1)]
+    model = load_model(runs["hash"] / "ckpt.pt", "cpu")[0]
+    fmap = model.blocks[1].attn.feature_map.head_map(0).double()
+    assert abs(fmap.temperature - 4.0) > 1e-4  # trained (lr 3e-2), not the init's τ
+    kernel = FeatureKernel(fmap, offset=0.0)
+    row = next(r for r in rows if r["attention"] == "trained:hash:layer1.head0" and r["t"] == "64")
+    keys = layer_norm_gaussian(64, 16, generator=make_generator(0), dtype=torch.float64)
+    match = torch.randperm(64, generator=make_generator(1_000_003 * 0 + 1009 * 0 + 64))[:8]
+    others = layer_norm_gaussian(8, 16, generator=make_generator(1), dtype=torch.float64)
+    w = match_weights(kernel, near_queries(keys[match], 1.0, others), keys, match)
+    assert row["feature_dim"] == "12"
+    assert 0 < float(row["w_match"]) <= 1 and abs(float(row["w_match"]) - float(w.mean())) < 1e-9
+    bad = ["retrieval", "--smoke", "--no-progress", "--out", str(tmp_path / "bad"),
+           "--trained", str(runs["poly"] / "ckpt.pt")]  # fmt: skip
+    assert long_context.main(bad) == 2
+    assert "has no feature map" in capsys.readouterr().err
+
+
 def test_bad_options_print_an_error_and_exit_2(tmp_path, capsys):
     base = ["--smoke", "--no-progress", "--out", str(tmp_path / "x")]
     assert long_context.main(["retrieval", *base, "--inputs", "captured"]) == 2

@@ -4,6 +4,9 @@ Writes ``retrieval.csv`` (one row per input, head, attention, t, draw), ``retrie
 (command, seeds, CPU time, the check against the issue's numbers, per-input tables) and
 ``retrieval.png``. ``--inputs captured`` measures the q/k of every head of the model in
 ``--checkpoint`` (a ``polysketch train`` checkpoint) on the corpus' validation text.
+``--trained CKPT ...`` adds the feature map of every layer and head of trained models, as
+they were trained (rows ``trained:<run folder>:layer<l>.head<h>``): a learned map such as
+``soft_hash`` is fitted by training, not by ``fit``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .retrieval_table import (
     gaussian_source,
     run_retrieval,
     summarize,
+    trained_kernels,
 )
 
 __all__ = ["register", "SMOKE"]
@@ -40,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--corpus", default="shakespeare", help="text the capture runs on")
     p.add_argument("--attentions", nargs="+", default=list(DEFAULT_ATTENTIONS),
                    metavar="NAME[:k=v,...]")  # fmt: skip
+    p.add_argument("--trained", nargs="+", default=[], metavar="CKPT",
+                   help="also measure the feature maps of these trained models (polysketch "
+                   "train checkpoints), every layer and head, as trained")  # fmt: skip
     p.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     p.add_argument("--draws", type=int, default=3, help="draws of keys (and of random maps)")
     p.add_argument("--queries", type=int, default=64, help="matching keys per t and draw")
@@ -54,6 +61,7 @@ def _settings(args) -> RetrievalSettings:
         "attentions": args.attentions, "contexts": args.contexts, "draws": args.draws,
         "queries": args.queries, "dim": args.dim, "seed": args.seed, "fit_num": args.fit_num,
         "fit_steps": args.fit_steps, "inputs": args.inputs, "checkpoint": args.checkpoint,
+        "trained": args.trained,
     }  # fmt: skip
     if args.smoke:
         values.update(SMOKE)
@@ -94,7 +102,9 @@ def _run(args, argv) -> int:
             f"{captured.window_len} bytes of `{args.corpus}`; {settings.fit_num} positions fit "
             f"the learnable maps, {captured.keys.shape[1]:,} others are measured"
         )
-    left_out = run_retrieval(settings, sources, table, progress=not args.no_progress)
+    trained = trained_kernels(settings.trained)
+    left_out = run_retrieval(settings, sources, table, trained=trained,
+                             progress=not args.no_progress)  # fmt: skip
     summary = summarize(table.rows)
     cpu = sum(float(r["cpu_s"]) + float(r["fit_s"] or 0) for r in table.rows) + capture_s
     repro = reproduction_lines(summary) if settings.dim == 64 else []

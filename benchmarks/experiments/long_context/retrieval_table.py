@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ from polysketch.random import make_generator
 from .inputs import CapturedHeads, layer_norm_gaussian, near_queries
 from .kernels import build_kernel
 from .report import ResultCSV
-from .retrieval import match_weights
+from .retrieval import FeatureKernel, match_weights
 
 __all__ = [
     "DEFAULT_ATTENTIONS",
@@ -87,10 +88,12 @@ class RetrievalSettings:
     fit_steps: int | None = None
     inputs: Sequence[str] = ("gaussian",)
     checkpoint: str | None = None
+    trained: Sequence[str] = ()  # checkpoints whose trained maps are measured (trained_kernels)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.attentions, self.inputs = list(self.attentions), list(self.inputs)
+        self.trained = list(self.trained)
         self.contexts = sorted({int(t) for t in self.contexts})
         self.cosines = [float(c) for c in self.cosines]
         unknown = [c for c in self.cosines if c not in WEIGHT_COLUMNS]
@@ -166,9 +169,37 @@ def captured_sources(captured: CapturedHeads, settings: RetrievalSettings) -> li
     return sources
 
 
-def _units(sources, settings, table) -> Iterator[tuple]:
+def trained_kernels(paths: Sequence[str]) -> dict[str, tuple[FeatureKernel, dict]]:
+    """The feature maps of trained models, as measured kernels: for every checkpoint, layer
+    l and head h of its (global) attention, ``"trained:<run>:layer<l>.head<h>"`` -> (the
+    map of that head as trained, in float64, with the layer's normalizer offset; its info).
+    ``<run>`` is the checkpoint's folder name. A layer without a feature map (softmax,
+    polynomial, a window) is refused: it has no trained map to measure."""
+    from .inputs import load_model
+
+    out: dict[str, tuple[FeatureKernel, dict]] = {}
+    for path in paths:
+        model = load_model(path)
+        run = Path(path).resolve().parent.name
+        for layer, block in enumerate(model.blocks):
+            core = block.attn
+            if core.feature_map is None:
+                raise ValueError(f"trained: layer {layer} of {path} ({core.attention}) has no "
+                                 "feature map to measure")  # fmt: skip
+            for h in range(core.num_heads):
+                fmap = core.feature_map.head_map(h).to(torch.float64).eval()
+                kernel = FeatureKernel(fmap, offset=core.denominator_offset)
+                info = {"feature_dim": int(fmap.feature_dim), "square": bool(fmap.square),
+                        "state_dim": kernel.state_dim, "rank_bound": kernel.rank_bound,
+                        "nonnegative": kernel.nonnegative, "offset": kernel.offset,
+                        "fit_s": 0.0}  # fmt: skip
+                out[f"trained:{run}:layer{layer}.head{h}"] = (kernel, info)
+    return out
+
+
+def _units(sources, settings, table, trained=()) -> Iterator[tuple]:
     for src in sources:
-        for spec in settings.attentions:
+        for spec in [*settings.attentions, *trained]:
             todo = [
                 (d, t)
                 for d in range(settings.draws)
@@ -186,22 +217,31 @@ def run_retrieval(
     sources: Sequence[Source],
     table: ResultCSV,
     *,
+    trained: dict | None = None,
     progress: bool = True,
     log=print,
 ) -> list[str]:
-    """Measure every (source, attention, draw, t) not yet in ``table``; returns notes on
+    """Measure every (source, attention, draw, t) not yet in ``table``, the attentions being
+    ``settings.attentions`` and the ``trained`` kernels (``trained_kernels``); returns notes on
     contexts left out (a captured pool smaller than t)."""
     from tqdm.auto import tqdm
 
-    units = list(_units(sources, settings, table))
+    trained = trained or {}
+    units = list(_units(sources, settings, table, trained))
     notes: list[str] = []
     bar = tqdm(total=sum(len(u[2]) for u in units), disable=not progress, desc="retrieval")
     for src, spec, todo in units:
-        kernel, info = build_kernel(
-            spec, src.dim, seed=settings.seed, fit_data=src.fit, fit_steps=settings.fit_steps
-        )
+        if spec in trained:  # a trained model's map: measured as it is, never redrawn
+            kernel, info = trained[spec]
+            if kernel.map.dim != src.dim:
+                raise ValueError(f"{spec}: its map takes D = {kernel.map.dim}, the "
+                                 f"{src.input} input has D = {src.dim}")  # fmt: skip
+        else:
+            kernel, info = build_kernel(
+                spec, src.dim, seed=settings.seed, fit_data=src.fit, fit_steps=settings.fit_steps
+            )
         fit_s = info["fit_s"]
-        redraw = getattr(getattr(kernel, "map", None), "is_random", False)
+        redraw = spec not in trained and getattr(getattr(kernel, "map", None), "is_random", False)
         for d in sorted({d for d, _ in todo}):
             if redraw and d:  # random maps: draw d uses seed + d (resuming gives the same)
                 kernel, info = build_kernel(spec, src.dim, seed=settings.seed + d)
