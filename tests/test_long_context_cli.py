@@ -90,8 +90,9 @@ def test_retrieval_measures_a_trained_models_own_maps(tmp_path, capsys):
                                 attention=attention, map_kwargs={"num_features": 12}
                                 if attention == "soft_hash_1k" else {})  # fmt: skip
         runs[name] = tmp_path / name
-        train(cfg, TrainConfig(steps=3, batch_size=2, warmup_steps=0, lr=3e-2, eval_interval=None,
-                               eval_batches=1, out_dir=str(runs[name])), corpus, progress=False)  # fmt: skip
+        tc = TrainConfig(steps=3, batch_size=2, warmup_steps=0, lr=3e-2, eval_interval=None,
+                         eval_batches=1, out_dir=str(runs[name]))  # fmt: skip
+        train(cfg, tc, corpus, progress=False)
     out = tmp_path / "ret"
     argv = ["retrieval", "--smoke", "--no-progress", "--out", str(out), "--attentions", "softmax",
             "--trained", str(runs["hash"] / "ckpt.pt"), "--draws", "1"]  # fmt: skip
