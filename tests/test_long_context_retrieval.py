@@ -125,11 +125,22 @@ def test_near_queries_have_the_cosine_and_norm_asked():
         assert torch.allclose(cos, torch.full_like(cos, c), atol=1e-12)
         assert torch.allclose(q.norm(dim=-1), keys.norm(dim=-1), rtol=1e-12)
         assert float(q.mean(-1).abs().max()) < 1e-12  # still LayerNorm-like (mean 0)
+    # a captured key can recur among the fit keys: a parallel row borrows the next one
+    clash = others.clone()
+    clash[3], clash[4] = 2.0 * keys[3], -keys[4]
+    q = near_queries(keys, 0.7, clash)
+    cos = (q * keys).sum(-1) / (q.norm(dim=-1) * keys.norm(dim=-1))
+    assert torch.allclose(cos, torch.full_like(cos, 0.7), atol=1e-12)
+    assert torch.equal(q[:3], near_queries(keys, 0.7, others)[:3])  # other rows unchanged
+    one = keys[:1]
+    with pytest.raises(ValueError, match="parallel"):
+        near_queries(one, 0.7, 3.0 * one)
     assert torch.equal(near_queries(keys, 1.0, others), keys)
     with pytest.raises(ValueError, match="cosine"):
         near_queries(keys, 0.0, others)
-    with pytest.raises(ValueError, match="parallel"):
-        near_queries(keys, 0.9, 2 * keys)
+    q = near_queries(keys, 0.9, 2 * keys)  # every row parallel to its own key: each borrows
+    cos = (q * keys).sum(-1) / (q.norm(dim=-1) * keys.norm(dim=-1))
+    assert torch.allclose(cos, torch.full_like(cos, 0.9), atol=1e-12)
 
 
 def test_build_kernel_resolves_specs_like_the_model():

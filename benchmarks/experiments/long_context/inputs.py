@@ -38,8 +38,10 @@ def layer_norm_gaussian(
 def near_queries(keys: torch.Tensor, cosine: float, others: torch.Tensor) -> torch.Tensor:
     """Queries at cosine ``cosine`` to each key with the key's norm (module docstring).
 
-    keys, others: (n, D); row i of ``others`` supplies the direction orthogonal to key i
-    (it must not be parallel to it). Returns (n, D).
+    keys, others: (n, D); row i of ``others`` supplies the direction orthogonal to key i.
+    A row parallel to its key (a captured key that recurs among the fit keys) is replaced by
+    the next row of ``others``, cyclically, that is not; if every row is, ValueError.
+    Returns (n, D).
     """
     if not 0.0 < cosine <= 1.0:
         raise ValueError(f"cosine must be in (0, 1], got {cosine}")
@@ -49,10 +51,22 @@ def near_queries(keys: torch.Tensor, cosine: float, others: torch.Tensor) -> tor
         return keys.clone()
     norm = keys.norm(dim=-1, keepdim=True)
     unit = keys / norm
-    ortho = others - (others * unit).sum(-1, keepdim=True) * unit
-    size = ortho.norm(dim=-1, keepdim=True)
-    if bool((size <= 1e-9 * others.norm(dim=-1, keepdim=True)).any()):
-        raise ValueError("others must not be parallel to keys")
+
+    def orthogonal(rows):
+        ortho = rows - (rows * unit).sum(-1, keepdim=True) * unit
+        size = ortho.norm(dim=-1, keepdim=True)
+        return ortho, size, (size <= 1e-9 * rows.norm(dim=-1, keepdim=True)).squeeze(-1)
+
+    ortho, size, bad = orthogonal(others)
+    for shift in range(1, others.shape[0]):
+        if not bool(bad.any()):
+            break
+        o2, s2, b2 = orthogonal(others.roll(-shift, dims=0))
+        fix = bad & ~b2
+        ortho, size = torch.where(fix[:, None], o2, ortho), torch.where(fix[:, None], s2, size)
+        bad = bad & b2
+    if bool(bad.any()):
+        raise ValueError("others must not all be parallel to a key")
     return norm * (cosine * unit + (1.0 - cosine**2) ** 0.5 * ortho / size)
 
 
