@@ -107,8 +107,11 @@ def build_kernel(
             f"attentions {spec!r}: {resolved.algorithm} attention has no position-free kernel "
             "(its weight on a key depends on the key's block); measure it in a model"
         )
-    info["state_dim"] = kernel.state_dim
-    info["rank_bound"] = kernel.rank_bound
-    info["nonnegative"] = kernel.nonnegative
-    info["offset"] = kernel.offset
-    return kernel, info
+    return kernel, {**info, **kernel_facts(kernel)}
+
+
+def kernel_facts(kernel: Kernel) -> dict:
+    """The sizes a table row records of ``kernel``: state_dim, rank_bound F′, nonnegative,
+    offset."""
+    return {"state_dim": kernel.state_dim, "rank_bound": kernel.rank_bound,
+            "nonnegative": kernel.nonnegative, "offset": kernel.offset}  # fmt: skip

@@ -26,7 +26,7 @@ import torch
 from polysketch.random import make_generator
 
 from .inputs import CapturedHeads, layer_norm_gaussian, near_queries
-from .kernels import build_kernel
+from .kernels import build_kernel, kernel_facts
 from .report import ResultCSV
 from .retrieval import FeatureKernel, match_weights
 
@@ -190,9 +190,7 @@ def trained_kernels(paths: Sequence[str]) -> dict[str, tuple[FeatureKernel, dict
                 fmap = core.feature_map.head_map(h).to(torch.float64).eval()
                 kernel = FeatureKernel(fmap, offset=core.denominator_offset)
                 info = {"feature_dim": int(fmap.feature_dim), "square": bool(fmap.square),
-                        "state_dim": kernel.state_dim, "rank_bound": kernel.rank_bound,
-                        "nonnegative": kernel.nonnegative, "offset": kernel.offset,
-                        "fit_s": 0.0}  # fmt: skip
+                        "fit_s": 0.0, **kernel_facts(kernel)}  # fmt: skip
                 out[f"trained:{run}:layer{layer}.head{h}"] = (kernel, info)
     return out
 

@@ -76,7 +76,7 @@ from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
 from .base import FeatureMap, Hyperparameter, register
 
-__all__ = ["SoftHashFeatureMap", "product_softmax"]
+__all__ = ["SoftHashFeatureMap", "product_softmax", "unit_directions"]
 
 
 def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
@@ -89,6 +89,11 @@ def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
     for p in parts[1:]:  # (..., F_so_far) ⊗ (..., B) -> (..., F_so_far · B)
         phi = (phi.unsqueeze(-1) * p.unsqueeze(-2)).flatten(-2)
     return phi
+
+
+def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every column of W (..., D, m·B) rescaled to norm √D: √D · w_f / ‖w_f‖."""
+    return w * (math.sqrt(dim) / w.norm(dim=-2, keepdim=True).clamp_min(1e-12))
 
 
 def _root(f: int, m: int) -> int:
@@ -196,8 +201,8 @@ class SoftHashFeatureMap(FeatureMap):
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
         unless x has fewer rows than D (a decoding step)."""
         w = self.weight_k if key and not self.shared else self.weight_q
-        if self.unit_directions:  # √D · w_f / ‖w_f‖ per column
-            w = w * (math.sqrt(self.dim) / w.norm(dim=0).clamp_min(1e-12))
+        if self.unit_directions:
+            w = unit_directions(w, self.dim)
         scale = (self.log_temperature * self.temperature_rate).exp() / math.sqrt(self.dim)
         if x.dim() >= 2 and x.shape[-2] < self.dim:
             return (x @ w.to(x.dtype)) * scale.to(x.dtype)

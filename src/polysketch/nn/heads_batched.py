@@ -33,7 +33,7 @@ from .._checks import as_dtype
 from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
 from ..features.polysketch import PolySketch
-from ..features.soft_hash import SoftHashFeatureMap, product_softmax
+from ..features.soft_hash import SoftHashFeatureMap, product_softmax, unit_directions
 
 __all__ = ["batched_form"]
 
@@ -115,10 +115,8 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     with W_h = the key weights for keys (unless shared)."""
     which = "k" if role == "key" and not template.shared else "q"
     weight = params[f"map.weight_{which}"]  # (H, D, m·B)
-    if template.unit_directions:  # √D · w_f / ‖w_f‖ per column of each head's W_h
-        weight = weight * (
-            math.sqrt(template.dim) / weight.norm(dim=-2, keepdim=True).clamp_min(1e-12)
-        )
+    if template.unit_directions:  # each column of each head's W_h to norm √D
+        weight = unit_directions(weight, template.dim)
     log_t = params.get("map.log_temperature")  # (H,): a parameter, or a buffer when fixed
     if log_t is None:
         log_t = buffers["map.log_temperature"]
