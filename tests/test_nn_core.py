@@ -106,7 +106,7 @@ def accelerator_policy(monkeypatch):
 def _record(monkeypatch, kernel, mixed, core_module):
     seen = []
     real_plan, real_blocks = kernel.plan, mixed.blocks_lt_multiply
-    real_step = core_module.linear_attention_step
+    real_step = core_module.linear_attention_token
 
     def plan(*args, **kwargs):
         p = real_plan(*args, **kwargs)
@@ -123,7 +123,7 @@ def _record(monkeypatch, kernel, mixed, core_module):
 
     monkeypatch.setattr(kernel, "plan", plan)
     monkeypatch.setattr(mixed, "blocks_lt_multiply", blocks)
-    monkeypatch.setattr(core_module, "linear_attention_step", step)
+    monkeypatch.setattr(core_module, "linear_attention_token", step)
     return seen
 
 

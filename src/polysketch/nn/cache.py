@@ -31,7 +31,12 @@ from __future__ import annotations
 import torch
 
 from ..ops import LinearAttentionState
-from ..ops.mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
+from ..ops.mixed_step import (
+    MixedAttentionState,
+    mixed_attention_state,
+    mixed_attention_step,
+    mixed_attention_token,
+)
 
 __all__ = ["RecurrentCache", "KVCache", "MixedCache", "WindowCache", "ParallelCache", "LayerCache"]
 
@@ -176,7 +181,11 @@ class MixedCache(_Cache):
                   square=self.square, denominator_offset=offset, eps=eps)  # fmt: skip
         self.length += q.shape[-2]
         if self.rows is None and keep is None:
-            out, self.batch = mixed_attention_step(q, k, v, phi_q, phi_k, self.batch, **kw)
+            if q.shape[-2] == 1 and self.batch.length > 0:  # one token: no re-validation
+                out, self.batch = mixed_attention_token(q, k, v, phi_q, phi_k, self.batch,
+                                                        scale=1.0, **kw)  # fmt: skip
+            else:
+                out, self.batch = mixed_attention_step(q, k, v, phi_q, phi_k, self.batch, **kw)
             return out
         if self.rows is None:  # some row skips a step: the grids part, one state per row
             self.rows = [_state_row(self.batch, b) for b in range(q.shape[0])]

@@ -26,7 +26,8 @@ below is shared. The core owns
 * padding (``nn.padding``): padded tokens are removed, so mixed attention's block grid and
   the window start at each row's first real token;
 * decoding: ``new_cache`` and ``decode_state_size`` (``nn.cache``); one token of linear
-  attention is one fused ``ops.linear_attention_step``, of mixed attention one
+  attention is one fused ``ops.recurrent.linear_attention_token`` (``linear_attention_step``
+  without its argument checks), of mixed attention one
   ``ops.mixed_attention_step``;
 * the warm start (``exact_degree``, ``nn.warm_start``), mixed attention's learned per-head
   balance ``log_balance`` (β_h: far-block scores × exp(β_h), i.e. φq × exp(β_h) for plain
@@ -52,13 +53,13 @@ from ..features.stability import attention_features
 from ..ops import (
     dispatch,
     linear_attention,
-    linear_attention_step,
     polynomial_attention,
     softmax_attention,
     window_attention,
 )
 from ..ops.mixed import mixed_attention
 from ..ops.naive import DEFAULT_EPS
+from ..ops.recurrent import linear_attention_token
 from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
 from .heads import MultiHeadFeatureMap
 from .padding import compaction, gather_time
@@ -291,7 +292,7 @@ class AttentionCore(nn.Module):
         state = None if cache is None else cache.state
         if state is not None and q.shape[-2] == 1:  # one token: one fused update and read
             phi_q, phi_k = self._features(q, k, kpm, initial_sums=state.denominator)
-            out, cache.state = linear_attention_step(phi_q, phi_k, v, state, **kw)
+            out, cache.state = linear_attention_token(phi_q, phi_k, v, state, **kw)
             cache.length += 1
             return out
 

@@ -27,7 +27,12 @@ from .mixed import _local_kernel, _validate, _with_ones, mixed_attention
 from .naive import DEFAULT_EPS, stabilize_denominator
 from .pairs import PairFeatures, key_state, state_dim
 
-__all__ = ["MixedAttentionState", "mixed_attention_state", "mixed_attention_step"]
+__all__ = [
+    "MixedAttentionState",
+    "mixed_attention_state",
+    "mixed_attention_step",
+    "mixed_attention_token",
+]
 
 
 @dataclass
@@ -103,18 +108,26 @@ def mixed_attention_step(
         return out, mixed_attention_state(k, phi_k, v, chunk_size=chunk_size, square=square)
     _check_state(state, q, v, phi_q, chunk_size=chunk_size, square=square)
     if q.shape[-2] == 1:
-        return _one(q, k, v, phi_q, phi_k, state, **kw)
+        return mixed_attention_token(q, k, v, phi_q, phi_k, state, **kw)
     outs = []
     for i in range(q.shape[-2]):
         one = (x[..., i : i + 1, :] for x in (q, k, v, phi_q, phi_k))
-        out, state = _one(*one, state, **kw)
+        out, state = mixed_attention_token(*one, state, **kw)
         outs.append(out)
     return torch.cat(outs, dim=-2), state
 
 
-def _one(q, k, v, phi_q, phi_k, state, *, chunk_size, local, degree, square,
-         denominator_offset, scale, eps):  # fmt: skip
-    """One token (all inputs (..., 1, ·)) after a non-empty ``state``."""
+def mixed_attention_token(q, k, v, phi_q, phi_k, state, *, chunk_size, local, degree, square,
+                          denominator_offset, scale, eps):  # fmt: skip
+    """``mixed_attention_step`` for one token (all inputs (..., 1, ·)) after a non-empty
+    ``state``, without its argument checks.
+
+    Every keyword must be given, as plain values (``scale`` a float, ``local`` one of
+    ``LOCAL_KERNELS``). For callers that built every argument themselves and decode token by
+    token (``polysketch.nn.cache.MixedCache``): the checks of the public op cost about as much
+    as the step's arithmetic on a CPU (issue 22, "Decoding speed").
+    ``mixed_attention_step`` validates its arguments and then calls this.
+    """
     bk, bf, bv = (
         x if buf is None else torch.cat([buf, x], dim=-2)
         for buf, x in ((state.k, k), (state.phi_k, phi_k), (state.v, v))

@@ -24,7 +24,7 @@ from .naive import DEFAULT_EPS, stabilize_denominator
 from .pairs import PairFeatures
 from .state import LinearAttentionState, unpack_state
 
-__all__ = ["linear_attention_step"]
+__all__ = ["linear_attention_step", "linear_attention_token"]
 
 
 def linear_attention_step(
@@ -62,37 +62,66 @@ def linear_attention_step(
     offset, eps = check_offset_eps(denominator_offset, eps)
     f, e = phi_q.shape[-1], v.shape[-1]
     acc = compute_dtype(phi_q.dtype)
-    init = unpack_state(state, leading=tuple(phi_q.shape[:-2]), feature_dim=f, value_dim=e,
-                        square=square, dtype=acc, device=phi_q.device)  # fmt: skip
-    length = 1 if state is None else state.length + 1
+    unpack_state(state, leading=tuple(phi_q.shape[:-2]), feature_dim=f, value_dim=e,
+                 square=square, dtype=acc, device=phi_q.device)  # fmt: skip
     if state is None:
-        empty = LinearAttentionState.zeros(tuple(phi_q.shape[:-2]), f, e, square=square,
+        state = LinearAttentionState.zeros(tuple(phi_q.shape[:-2]), f, e, square=square,
                                            dtype=acc, device=phi_q.device)  # fmt: skip
-        init = (empty.numerator, empty.denominator)
+    return linear_attention_token(
+        phi_q, phi_k, v, state, square=square, normalize=normalize, denominator_offset=offset,
+        key_padding_mask=key_padding_mask, eps=eps,
+    )  # fmt: skip
+
+
+def linear_attention_token(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    state: LinearAttentionState,
+    *,
+    square: bool,
+    normalize: bool = True,
+    denominator_offset: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """``linear_attention_step`` for exactly one new token, without its argument checks.
+
+    The step of the module docstring for phi_q, phi_k (..., 1, F), v (..., 1, E), a
+    ``LinearAttentionState`` of leading dims ... (pair layout when ``square``; fp32 states
+    for half inputs), ``key_padding_mask`` bool (..., 1) or None, and plain floats for the
+    offset and eps. For callers that built every argument themselves and decode token by
+    token (``polysketch.nn.core``): the checks of the public op cost about as much as the
+    step's arithmetic on a CPU (issue 22, "Decoding speed"). ``linear_attention_step``
+    validates its arguments and then calls this, so both compute the same thing.
+    """
+    acc = state.numerator.dtype
+    init = (state.numerator, state.denominator)
     fused = decode_backend(phi_q, phi_k, v, *init, square=square, key_padding_mask=key_padding_mask)
     if fused is not None:
         num, den, n1, z1 = fused.triton_decode_step(phi_q, phi_k, v, *init, square=square)
+        den = den.unsqueeze(-1)
     else:
         q, k, v1 = (as_dtype(x, acc) for x in (phi_q, phi_k, v))
         num, den, n1, z1 = _step(q, k, v1, *init, square=square, keep=key_padding_mask)
-    if normalize:
-        den = den.unsqueeze(-1)
-        num = num / stabilize_denominator(den + offset if offset else den, eps)
     out = num
-    return as_dtype(out, phi_q.dtype), LinearAttentionState(n1, z1, length)
+    if normalize:
+        out = num / stabilize_denominator(den + denominator_offset if denominator_offset else den,
+                                          eps)  # fmt: skip
+    return as_dtype(out, phi_q.dtype), LinearAttentionState(n1, z1, state.length + 1)
 
 
 def _step(q, k, v, n, z, *, square, keep):
-    """num (..., 1, E), den (..., 1), N', Z' of the module docstring for one token."""
+    """num (..., 1, E), den (..., 1, 1), N', Z' of the module docstring for one token."""
     if square:
         pairs = PairFeatures.cached(q.shape[-1], q)
-        qf, kf = pairs.features(torch.cat([q, k], dim=-2)).unbind(-2)  # ψ(q), ψ(k): (..., F')
-        qf, kf = (qf * pairs.omega).unsqueeze(-2), kf.unsqueeze(-2)  # (..., 1, F')
+        psi = pairs.features(torch.cat([q, k], dim=-2))  # ψ(q), ψ(k): (..., 2, F')
+        qf, kf = psi[..., :1, :] * pairs.omega, psi[..., 1:, :]  # (..., 1, F')
     else:
         qf, kf = q, k
     if keep is not None:  # a padded key adds nothing (and its possibly non-finite v neither)
         m = keep.unsqueeze(-1)
         kf, v = torch.where(m, kf, kf.new_zeros(())), torch.where(m, v, v.new_zeros(()))
-    n1 = torch.addcmul(n, kf.transpose(-1, -2), v)  # N + Ψ(k)ᵀ v: (..., F', E)
+    n1 = torch.addcmul(n, kf.mT, v)  # N + Ψ(k)ᵀ v: (..., F', E)
     z1 = z + kf.squeeze(-2)
-    return qf @ n1, (qf * z1.unsqueeze(-2)).sum(-1), n1, z1
+    return qf @ n1, qf @ z1.unsqueeze(-1), n1, z1
