@@ -245,3 +245,15 @@ def test_train_takes_a_model_preset(tmp_path, capsys):
     assert main(["train", "--attention", "psf_random", "--global-heads", "1", "--steps", "2",
                  "--out", str(tmp_path / "bad"), *TINY]) == 2  # fmt: skip
     assert "error:" in capsys.readouterr().err
+    every = tmp_path / "every"
+    assert main(["train", "--attention", "soft_hash_local", "--global-every", "2", "--steps", "2",
+                 "--out", str(every), *TINY, "--n-layer", "2"]) == 0  # fmt: skip
+    config = load_checkpoint(every / "ckpt.pt", restore_rng=False)["model_config"]
+    assert config["global_every"] == 2
+    assert main(["generate", "--checkpoint", str(every / "ckpt.pt"), "--prompt", "ab",
+                 "--max-new-tokens", "3"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--attention", "psf_random", "--global-every", "2", "--steps", "2",
+                 "--out", str(tmp_path / "bad_every"), *TINY, "--n-layer", "2"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "error:" in err and "global_every" in err

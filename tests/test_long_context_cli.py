@@ -85,10 +85,12 @@ def test_retrieval_measures_a_trained_models_own_maps(tmp_path, capsys):
     tokens = torch.randint(0, 256, (6000,), generator=torch.Generator().manual_seed(0))
     corpus = Corpus(train=tokens[:5000], val=tokens[5000:], vocab_size=256, source="test")
     runs = {}
-    for name, attention in (("hash", "soft_hash_1k"), ("poly", "polynomial")):
+    every = {"local_window": 4, "global_every": 2}  # layer 1 only: layer 0 is the window
+    for name, attention, kw in (("hash", "soft_hash_1k", {}), ("poly", "polynomial", {}),
+                                ("every", "soft_hash_1k", every)):  # fmt: skip
         cfg = TransformerConfig(n_layer=2, n_head=2, n_embd=32, block_size=32,
                                 attention=attention, map_kwargs={"num_features": 12}
-                                if attention == "soft_hash_1k" else {})  # fmt: skip
+                                if attention == "soft_hash_1k" else {}, **kw)  # fmt: skip
         runs[name] = tmp_path / name
         tc = TrainConfig(steps=3, batch_size=2, warmup_steps=0, lr=3e-2, eval_interval=None,
                          eval_batches=1, out_dir=str(runs[name]))  # fmt: skip
@@ -115,6 +117,12 @@ def test_retrieval_measures_a_trained_models_own_maps(tmp_path, capsys):
            "--trained", str(runs["poly"] / "ckpt.pt")]  # fmt: skip
     assert long_context.main(bad) == 2
     assert "has no feature map" in capsys.readouterr().err
+    argv = ["retrieval", "--smoke", "--no-progress", "--out", str(tmp_path / "every"),
+            "--trained", str(runs["every"] / "ckpt.pt"), "--draws", "1"]  # fmt: skip
+    assert long_context.main(argv) == 0  # global_every: the window-only layer 0 is skipped
+    rows = _rows(tmp_path / "every" / "retrieval.csv")
+    names = sorted({r["attention"] for r in rows if r["attention"].startswith("trained:")})
+    assert names == ["trained:every:layer1.head0", "trained:every:layer1.head1"]
 
 
 def test_bad_options_print_an_error_and_exit_2(tmp_path, capsys):

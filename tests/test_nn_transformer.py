@@ -37,7 +37,8 @@ GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive",
     [(a, {}) for a in GEN + ["psf_learned"]]
     + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})]
     + [("soft_hash", {"local_window": 4, "local_shared": True, "short_conv": 2, "qk_dim": 4})]
-    + [("soft_hash", {"local_window": 4, "global_heads": 1})],
+    + [("soft_hash", {"local_window": 4, "global_heads": 1})]
+    + [("soft_hash", {"local_window": 4, "global_heads": 1, "global_every": 2})],
 )
 def test_greedy_generate_equals_full_forward_argmax(attention, kw):
     model = _model(attention, **kw).double()
@@ -339,6 +340,65 @@ def test_global_heads_sets_the_attention_heads_beside_the_window_only():
     one = block.attn.decode_state_size(10)
     assert one == block.attn.feature_map.feature_dim * (16 + 1)  # F × (E + 1), one head
     assert TransformerConfig(attention="soft_hash", n_head=2, global_heads=1).attention_heads() == 2
+
+
+# ----- the global attention in every k-th layer only (global_every) ------------------------
+def test_global_every_leaves_the_other_layers_to_the_window_alone():
+    """Layers k-1, 2k-1, ... are the unchanged two-branch layers (same parameters as
+    without global_every, same outputs for the same inputs); the others are exactly the
+    sliding-window branch alone: the same module as that branch, and the same function as a
+    ``sliding_window`` layer; the decode state and ablate_global count the global layers only."""
+    from polysketch.nn import ablate_global
+
+    kw = dict(local_window=4, global_heads=1)
+    every = TransformerLM(TransformerConfig(vocab_size=V, n_layer=4, n_head=2, n_embd=16,
+                                            attention="soft_hash", chunk_size=4, global_every=2,
+                                            **kw)).double()  # fmt: skip
+    full = TransformerLM(
+        TransformerConfig(
+            vocab_size=V, n_layer=4, n_head=2, n_embd=16, attention="soft_hash", chunk_size=4, **kw
+        )
+    ).double()
+    assert [b.local_attn is not None for b in every.blocks] == [False, True, False, True]
+    assert [b.attn.attention for b in every.blocks] == [
+        "sliding_window",
+        "soft_hash",
+        "sliding_window",
+        "soft_hash",
+    ]
+    x = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for i in (0, 2):  # the window alone: the full model's local branch with its weights
+        alone, branch = every.blocks[i], full.blocks[i]
+        alone.attn.load_state_dict(branch.local_attn.state_dict())
+        assert torch.equal(alone.attn(x), branch.local_attn(x))
+    glob = every.blocks[1]
+    assert glob.attn.feature_map is not None and glob.local_attn.attention == "sliding_window"
+    per_layer = [b.decode_state_size(9) for b in every.blocks]
+    assert per_layer[0] == per_layer[2] == full.blocks[0].local_attn.decode_state_size(9)
+    assert per_layer[1] == full.blocks[1].decode_state_size(9)
+    assert every.decode_state_size(9) == sum(per_layer)
+    idx = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(4))
+    with ablate_global(every):  # switches off layers 1 and 3's global branch only
+        ablated, _ = every(idx)
+        assert [b.global_ablated for b in every.blocks] == [False, True, False, True]
+    assert not torch.allclose(ablated, every(idx)[0])
+    assert TransformerConfig(global_every=3, n_layer=6).has_global(2)
+    assert not TransformerConfig(global_every=3, n_layer=6).has_global(3)
+
+
+def test_global_every_refusals():
+    def config(**kw):
+        return TransformerConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=16, **kw).validate()
+
+    with pytest.raises(ValueError, match="global_every.*local_window"):
+        config(attention="soft_hash", global_every=2)
+    with pytest.raises(ValueError, match="global_every=3 > n_layer=2"):
+        config(attention="soft_hash", local_window=4, global_every=3)
+    with pytest.raises(ValueError, match="global_every"):
+        config(attention="soft_hash", local_window=4, global_every=0)
+    with pytest.raises(TypeError, match="global_every"):
+        config(attention="soft_hash", local_window=4, global_every=2.0)
+    assert config(attention="soft_hash_local", global_every=2).has_global(1)
 
 
 def test_global_heads_refusals():

@@ -21,7 +21,10 @@ from test_distributed_harness import run_ranks
 TEXT = "".join(
     f"{i}: all the world's a stage, and all the men and women merely players\n" for i in range(80)
 )
-LOSS_RTOL = 1e-5  # fp32; measured differences are reported in docs/results/cp/README.md
+# fp32: rounding, amplified by AdamW over 20 steps, depends on the CPU's BLAS kernels: the largest
+# relative difference was 4.8e-6 where docs/results/cp/README.md was measured and 1.5e-5 on an
+# AMD EPYC machine (2026-11-24); the fp64 tests below check that the algorithm is exact (1e-10)
+LOSS_RTOL = 1e-4
 
 
 def _model_config(**kw) -> TransformerConfig:

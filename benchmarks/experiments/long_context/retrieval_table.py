@@ -173,8 +173,9 @@ def trained_kernels(paths: Sequence[str]) -> dict[str, tuple[FeatureKernel, dict
     """The feature maps of trained models, as measured kernels: for every checkpoint, layer
     l and head h of its (global) attention, ``"trained:<run>:layer<l>.head<h>"`` -> (the
     map of that head as trained, in float64, with the layer's normalizer offset; its info).
-    ``<run>`` is the checkpoint's folder name. A layer without a feature map (softmax,
-    polynomial, a window) is refused: it has no trained map to measure."""
+    ``<run>`` is the checkpoint's folder name. The window-only layers of a model with
+    ``global_every`` are skipped; a model whose global attention has no feature map
+    (softmax, polynomial, a window) is refused: it has no trained map to measure."""
     from .inputs import load_model
 
     out: dict[str, tuple[FeatureKernel, dict]] = {}
@@ -183,6 +184,8 @@ def trained_kernels(paths: Sequence[str]) -> dict[str, tuple[FeatureKernel, dict
         run = Path(path).resolve().parent.name
         for layer, block in enumerate(model.blocks):
             core = block.attn
+            if not model.config.has_global(layer):
+                continue
             if core.feature_map is None:
                 raise ValueError(f"trained: layer {layer} of {path} ({core.attention}) has no "
                                  "feature map to measure")  # fmt: skip

@@ -143,6 +143,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="heads of the attention beside the --local-window branch (q/k of the model's "
         "head dim, values of n_embd/G; default: the model preset's, else --n-head)",
     )  # fmt: skip
+    model.add_argument(
+        "--global-every", type=int, default=None, metavar="K",
+        help="only every K-th layer (K-1, 2K-1, ...) has the attention beside the "
+        "--local-window branch; the others are the window alone (default: every layer)",
+    )  # fmt: skip
 
     opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
@@ -229,6 +234,7 @@ def _configs_from_args(args):
         local_window=args.local_window,
         local_shared=args.local_shared,
         global_heads=args.global_heads,
+        global_every=args.global_every,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()

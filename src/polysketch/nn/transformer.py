@@ -65,6 +65,7 @@ class TransformerConfig:
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
     local_shared: bool | None = None  # that branch uses the attention's projections (Block)
     global_heads: int | None = None  # heads of the attention beside that branch (Block)
+    global_every: int | None = None  # only every k-th layer has the global branch (Block)
 
     def branches(self) -> tuple[str, int | None]:
         """(the attention of every layer, the window of the sliding-window branch beside it
@@ -92,6 +93,12 @@ class TransformerConfig:
         if heads is None:
             heads = (MODEL_PRESETS.get(self.attention) or {}).get("global_heads")
         return self.n_head if heads is None else heads
+
+    def has_global(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` runs the configured attention: every layer, or with
+        ``global_every = k`` (beside a sliding-window branch) layers k-1, 2k-1, ... only, the
+        others being the window alone (see Block)."""
+        return self.global_every is None or (layer_index + 1) % self.global_every == 0
 
     def map_options(self) -> dict:
         """The feature-map keywords of every layer's attention: a model preset's
@@ -142,6 +149,14 @@ class TransformerConfig:
             if self.branches()[1] is None:
                 raise ValueError("global_heads sets the heads of the attention beside a "
                                  "sliding-window branch: it needs local_window")  # fmt: skip
+        if self.global_every is not None:
+            check_positive_int(self.global_every, "global_every")
+            if self.branches()[1] is None:
+                raise ValueError("global_every leaves some layers to the sliding-window branch "
+                                 "alone: it needs local_window")  # fmt: skip
+            if self.global_every > self.n_layer:
+                raise ValueError(f"global_every={self.global_every} > n_layer={self.n_layer} "
+                                 "leaves no layer with the global attention")  # fmt: skip
         heads = self.attention_heads()
         if self.n_embd % heads:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")
@@ -200,6 +215,12 @@ class Block(nn.Module):
     keeps n_head heads:
     ``soft_hash_local`` reads far context through one such head per layer, its feature map
     and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
+
+    With ``config.global_every = k`` (beside a window) only layers k-1, 2k-1, ... have the
+    global branch; the others are the window branch alone (``attn`` is then the
+    ``sliding_window`` attention and ``local_attn`` is None), as hybrid models interleave a
+    few global layers with local ones. The global layers' feature-map and state costs, and
+    their decode state, are paid in 1/k of the layers (``TransformerConfig.has_global``).
     """
 
     def __init__(self, config: TransformerConfig, layer_index: int):
@@ -208,6 +229,17 @@ class Block(nn.Module):
         layer = dict(causal=True, rope=config.rope, chunk_size=config.chunk_size,
                      seed=config.seed, layer_index=layer_index)  # fmt: skip
         self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.shared = config.shares_projections()
+        self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
+        self.local_attn = None
+        if not config.has_global(layer_index):  # global_every: the window alone
+            self.shared = False
+            self.attn = KernelAttention(config.n_embd, config.n_head, attention="sliding_window",
+                                        window=local_window, **layer)  # fmt: skip
+            return
         heads = config.attention_heads()
         qk_dim = config.qk_dim
         if heads != config.n_head and qk_dim is None:  # the model's head dim, not n_embd/g
@@ -226,18 +258,12 @@ class Block(nn.Module):
             **layer,
             **config.map_options(),
         )
-        self.local_attn = None
-        self.shared = config.shares_projections()
         if local_window is not None:
             shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
             self.local_attn = KernelAttention(
                 config.n_embd, config.n_head, attention="sliding_window", window=local_window,
                 **layer, **shared,
             )  # fmt: skip
-        self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
-        self.dropout = nn.Dropout(config.dropout)
 
     def cores(self) -> tuple:
         """The block's attention modules: (attn,) or (attn, local_attn)."""
