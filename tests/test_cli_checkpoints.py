@@ -109,6 +109,21 @@ def test_model_config_that_does_not_fit_the_weights(run_copy, capsys, command):
     error_line(capsys, "generate" if command == "generate" else "train", str(path))
 
 
+def test_optimizer_state_in_another_parameter_order_is_refused(run_copy, capsys):
+    """Adam's moments are stored by parameter position: a checkpoint whose parameters come in
+    another order (a layer's submodules registered differently) must be refused at resume,
+    naming the parameter, never trained with another parameter's moments (it failed mid-step
+    with a size mismatch when the sizes differed, and would have been silent where equal)."""
+    path = run_copy / "ckpt.pt"
+    state = load_checkpoint(path, restore_rng=False)
+    moments = state["optimizer"]["state"]
+    first, last = min(moments), max(moments)
+    moments[first], moments[last] = moments[last], moments[first]
+    save_checkpoint(path, state)
+    assert _resume(run_copy) == 2
+    error_line(capsys, "train", str(path), "optimizer state", "another order")
+
+
 def test_checkpoint_with_unknown_config_keys(run_copy, capsys):
     path = run_copy / "ckpt.pt"
     state = load_checkpoint(path, restore_rng=False)

@@ -386,6 +386,18 @@ def test_global_every_leaves_the_other_layers_to_the_window_alone():
     assert not TransformerConfig(global_every=3, n_layer=6).has_global(3)
 
 
+def test_block_parameter_order_is_stable():
+    """A checkpoint's optimizer state follows the parameter order, i.e. the order in which a
+    Block registers its submodules: it must not change between releases (a reordering broke
+    the resume of runs written before it)."""
+    for kw in ({}, {"local_window": 4}, {"local_window": 4, "global_every": 2}):
+        model = _model("soft_hash", **kw)
+        for block in model.blocks:
+            names = [name for name, _ in block.named_children()]
+            want = ["ln_1", "attn"] + (["local_attn"] if block.local_attn is not None else [])
+            assert names == [*want, "ln_2", "ffn", "dropout"], kw
+
+
 def test_global_every_refusals():
     def config(**kw):
         return TransformerConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=16, **kw).validate()

@@ -228,23 +228,36 @@ class Block(nn.Module):
         attention, local_window = config.branches()
         layer = dict(causal=True, rope=config.rope, chunk_size=config.chunk_size,
                      seed=config.seed, layer_index=layer_index)  # fmt: skip
+        # the order of the submodules is the order of the parameters, which the optimizer
+        # state of a checkpoint follows: ln_1, attn, local_attn, ln_2, ffn
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.shared = config.shares_projections()
         self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
+        self.local_attn = None
+        if not config.has_global(layer_index):  # global_every: the window alone
+            self.shared, local_window = False, None
+            self.attn = KernelAttention(config.n_embd, config.n_head, attention="sliding_window",
+                                        window=config.branches()[1], **layer)  # fmt: skip
+        else:
+            self.attn = self._global_attention(config, attention, layer)
+        if local_window is not None:
+            shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
+            self.local_attn = KernelAttention(
+                config.n_embd, config.n_head, attention="sliding_window", window=local_window,
+                **layer, **shared,
+            )  # fmt: skip
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
-        self.local_attn = None
-        if not config.has_global(layer_index):  # global_every: the window alone
-            self.shared = False
-            self.attn = KernelAttention(config.n_embd, config.n_head, attention="sliding_window",
-                                        window=local_window, **layer)  # fmt: skip
-            return
+
+    @staticmethod
+    def _global_attention(config: TransformerConfig, attention: str, layer: dict):
+        """The configured attention of a layer (``global_heads`` heads beside a window)."""
         heads = config.attention_heads()
         qk_dim = config.qk_dim
         if heads != config.n_head and qk_dim is None:  # the model's head dim, not n_embd/g
             qk_dim = config.n_embd // config.n_head
-        self.attn = KernelAttention(
+        return KernelAttention(
             config.n_embd,
             heads,
             attention=attention,
@@ -258,12 +271,6 @@ class Block(nn.Module):
             **layer,
             **config.map_options(),
         )
-        if local_window is not None:
-            shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
-            self.local_attn = KernelAttention(
-                config.n_embd, config.n_head, attention="sliding_window", window=local_window,
-                **layer, **shared,
-            )  # fmt: skip
 
     def cores(self) -> tuple:
         """The block's attention modules: (attn,) or (attn, local_attn)."""

@@ -195,11 +195,33 @@ def _tied_source(model: nn.Module, key: str) -> str:
     raise KeyError(key)
 
 
+def _check_optimizer_shapes(model, optimizer, optim_state: dict) -> None:
+    """Refuse an optimizer state whose per-parameter tensors (Adam's moments) do not have the
+    shapes of this optimizer's parameters, taken in order: ``Optimizer.load_state_dict``
+    matches them by position and checks no shape, so a checkpoint written with another
+    parameter order would train with the wrong moments (or fail later, mid-step)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in optim_state.get("param_groups", []) for i in group["params"]]
+    if len(saved) != len(params):
+        raise ValueError(f"the optimizer state has {len(saved)} parameters, the model "
+                         f"{len(params)}")  # fmt: skip
+    for index, param in zip(saved, params, strict=True):
+        for key, value in optim_state.get("state", {}).get(index, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                raise ValueError(
+                    f"the optimizer state's {key!r} of parameter {names.get(id(param), '?')!r} "
+                    f"has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}: the "
+                    "checkpoint's parameters are in another order or of other sizes"
+                )
+
+
 def load_state(model, optimizer, model_state: dict, optim_state: dict, layout: Layout) -> None:
     """Load a one-process-format state (``gather_state``'s, or any ``polysketch train``
     checkpoint's) into this rank's model and optimizer, sharded when ``layout.fsdp``."""
     if not layout.fsdp:
         model.load_state_dict(model_state)
+        _check_optimizer_shapes(model, optimizer, optim_state)
         optimizer.load_state_dict(optim_state)
         return
     from torch.distributed.checkpoint.state_dict import (
