@@ -190,6 +190,30 @@ def test_one_token_step_is_one_fused_update_matching_naive(square, monkeypatch):
     assert rel_err(state.denominator, whole.denominator) <= 1e-12
 
 
+@pytest.mark.parametrize("square", [False, True])
+def test_one_token_step_computes_in_the_compute_dtype_whatever_the_state_dtype(square):
+    """A state handed over in another dtype (bf16, fp64) is taken in the compute dtype of the
+    features (fp32 for bf16 features, as linear_attention keeps it): the step equals the one
+    from that state converted first, and returns an fp32 state."""
+    q, k, v = make((2,), 6, 3, 4, positive=not square, seed=11)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    _, state = linear_attention(q[..., :5, :], k[..., :5, :], v[..., :5, :], causal=True,
+                                square=square, return_state=True)  # fmt: skip
+    one = (x[..., 5:, :] for x in (q, k, v))
+    want_out, want = linear_attention_step(*one, state, square=square)
+    for dtype in (torch.bfloat16, F64):
+        other = LinearAttentionState(state.numerator.to(dtype), state.denominator.to(dtype), 5)
+        fp32 = LinearAttentionState(other.numerator.float(), other.denominator.float(), 5)
+        ref_out, ref = linear_attention_step(*(x[..., 5:, :] for x in (q, k, v)), fp32,
+                                             square=square)  # fmt: skip
+        out, new = linear_attention_step(*(x[..., 5:, :] for x in (q, k, v)), other,
+                                         square=square)  # fmt: skip
+        assert new.numerator.dtype == new.denominator.dtype == torch.float32
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out)
+        assert torch.equal(new.numerator, ref.numerator) and new.length == 6
+    assert want.numerator.dtype == torch.float32 and want_out.dtype == torch.bfloat16
+
+
 def test_cached_pair_features_are_built_once_per_size_dtype_and_device():
     x = torch.randn(2, 6)
     a, b = PairFeatures.cached(6, x), PairFeatures.cached(6, x)

@@ -62,11 +62,13 @@ def linear_attention_step(
     offset, eps = check_offset_eps(denominator_offset, eps)
     f, e = phi_q.shape[-1], v.shape[-1]
     acc = compute_dtype(phi_q.dtype)
-    unpack_state(state, leading=tuple(phi_q.shape[:-2]), feature_dim=f, value_dim=e,
-                 square=square, dtype=acc, device=phi_q.device)  # fmt: skip
+    init = unpack_state(state, leading=tuple(phi_q.shape[:-2]), feature_dim=f, value_dim=e,
+                        square=square, dtype=acc, device=phi_q.device)  # fmt: skip
     if state is None:
         state = LinearAttentionState.zeros(tuple(phi_q.shape[:-2]), f, e, square=square,
                                            dtype=acc, device=phi_q.device)  # fmt: skip
+    else:  # in the compute dtype (a bf16 state is updated in fp32, as the chunked op does)
+        state = LinearAttentionState(*init, state.length)
     return linear_attention_token(
         phi_q, phi_k, v, state, square=square, normalize=normalize, denominator_offset=offset,
         key_padding_mask=key_padding_mask, eps=eps,
