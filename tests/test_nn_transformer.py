@@ -398,9 +398,13 @@ def test_block_parameter_order_is_stable():
             assert names == [*want, "ln_2", "ffn", "dropout"], kw
 
 
+def _validated(n_layer=1, **kw) -> TransformerConfig:
+    return TransformerConfig(vocab_size=V, n_layer=n_layer, n_head=2, n_embd=16, **kw).validate()
+
+
 def test_global_every_refusals():
     def config(**kw):
-        return TransformerConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=16, **kw).validate()
+        return _validated(n_layer=2, **kw)
 
     with pytest.raises(ValueError, match="global_every.*local_window"):
         config(attention="soft_hash", global_every=2)
@@ -414,8 +418,7 @@ def test_global_every_refusals():
 
 
 def test_global_heads_refusals():
-    def config(**kw):
-        return TransformerConfig(vocab_size=V, n_layer=1, n_head=2, n_embd=16, **kw).validate()
+    config = _validated
 
     with pytest.raises(ValueError, match="global_heads.*local_window"):
         config(attention="soft_hash", global_heads=1)
