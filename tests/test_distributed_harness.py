@@ -30,6 +30,10 @@ def _worker(rank, world_size, store, out_dir, fn, args):
         )  # fmt: skip
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # gloo connects the ranks pairwise inside init_process_group, and a rank returns from
+        # it once its own pairs are up: a rank whose ``fn`` runs no collective could exit and
+        # close its sockets while a peer is still connecting ("Connection closed by peer").
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as fh:
