@@ -212,3 +212,29 @@ def test_compiles_without_graph_breaks(algorithm):
     assert torch.allclose(out.detach(), fn(q, k, v), atol=1e-5)
     for a, b in zip(got, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("group_bytes", [1, 30000, 60000])  # groups of 1; 3 or 1; 7 or 3
+def test_groups_of_one_or_a_few_blocks_match_all_blocks_at_once(group_bytes, local, square):
+    """The recomputing function over groups of 1 block (the budget of wide maps on CPU) or a
+    few, remainder included, against all 10 blocks in one group: outputs, the final state and
+    the gradients of every input (the initial state and the local score inputs included)."""
+    g = torch.Generator().manual_seed(3)
+    t, f, x, d = 70, 4, 6, 3
+    a, b = (torch.rand(2, t, f, generator=g, dtype=F64) for _ in range(2))
+    c = torch.randn(2, t, x, generator=g, dtype=F64)
+    p0 = torch.randn(2, state_dim(f, square), x, generator=g, dtype=F64)
+    lq, lk = (torch.randn(2, t, d, generator=g, dtype=F64) for _ in range(2))
+    inputs = (a, b, c, p0, lq, lk) if local else (a, b, c, p0)
+
+    def run(budget, *xs):
+        kw = dict(local_q=xs[4], local_k=xs[5], local_power=2) if local else {}
+        out, state = blocks_lt_multiply(*xs[:3], square=square, chunk_size=7, initial=xs[3],
+                                        group_bytes=budget, **kw)  # fmt: skip
+        w = torch.linspace(-1, 1, state.numel(), dtype=F64).reshape(state.shape)
+        return torch.cat([out.flatten(), (state * w).flatten()])
+
+    assert_close(lambda *xs: run(group_bytes, *xs), lambda *xs: run(None, *xs), *inputs,
+                 tol=1e-12)  # fmt: skip
