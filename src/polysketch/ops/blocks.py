@@ -182,10 +182,14 @@ class _BlockAttention(torch.autograd.Function):
             dqf = (dod @ pod.transpose(-1, -2)).to(acc)  # (..., G, b, F')
             dp = (qf.transpose(-1, -2) @ dod).to(acc)  # (..., G, F', E+1)
             # states: dS_m = R + Σ_{n>m in group} dP_n (reverse inclusive sums, shifted)
-            later = dp.flip(-3).cumsum(-3).flip(-3)  # Σ_{n>=m}
-            ds = torch.cat([later[..., 1:, :, :], torch.zeros_like(later[..., :1, :, :])], -3)
-            ds = ds + r.unsqueeze(-3)
-            r = r + later[..., 0, :, :]
+            if dp.shape[-3] == 1:  # one block (wide maps on CPU): dS = R, no sums to form
+                ds = r.unsqueeze(-3)
+                r = r + dp[..., 0, :, :]
+            else:
+                later = dp.flip(-3).cumsum(-3).flip(-3)  # Σ_{n>=m}
+                ds = torch.cat([later[..., 1:, :, :], torch.zeros_like(later[..., :1, :, :])], -3)
+                ds = ds + r.unsqueeze(-3)
+                r = r + later[..., 0, :, :]
             kf = space.keys(bg)
             dso = ds.to(od)
             dkf = (cg @ dso.transpose(-1, -2)).to(acc)  # (..., G, b, F')
