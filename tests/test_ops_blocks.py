@@ -217,7 +217,9 @@ def test_compiles_without_graph_breaks(algorithm):
 @pytest.mark.parametrize("square", [False, True])
 @pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("group_bytes", [1, 30000, 60000])  # groups of 1; 3 or 1; 7 or 3
-def test_groups_of_one_or_a_few_blocks_match_all_blocks_at_once(group_bytes, local, square):
+@pytest.mark.parametrize("in_block", [True, False])
+def test_groups_of_one_or_a_few_blocks_match_all_blocks_at_once(group_bytes, local, square,
+                                                                 in_block):  # fmt: skip
     """The recomputing function over groups of 1 block (the budget of wide maps on CPU) or a
     few, remainder included, against all 10 blocks in one group: outputs, the final state and
     the gradients of every input (the initial state and the local score inputs included)."""
@@ -232,9 +234,31 @@ def test_groups_of_one_or_a_few_blocks_match_all_blocks_at_once(group_bytes, loc
     def run(budget, *xs):
         kw = dict(local_q=xs[4], local_k=xs[5], local_power=2) if local else {}
         out, state = blocks_lt_multiply(*xs[:3], square=square, chunk_size=7, initial=xs[3],
-                                        group_bytes=budget, **kw)  # fmt: skip
+                                        group_bytes=budget, in_block=in_block, **kw)  # fmt: skip
         w = torch.linspace(-1, 1, state.numel(), dtype=F64).reshape(state.shape)
         return torch.cat([out.flatten(), (state * w).flatten()])
 
     assert_close(lambda *xs: run(group_bytes, *xs), lambda *xs: run(None, *xs), *inputs,
                  tol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_without_in_block_scores_rows_read_the_earlier_blocks_only(square):
+    """in_block=False: row i of block n is Ψq(a_i) (P_0 + Σ_{m<n} Ψ(B_m)ᵀ C_m), against the
+    function with in-block scores minus those scores (values and gradients)."""
+    g = torch.Generator().manual_seed(4)
+    t, f, x = 30, 3, 4
+    a, b = (torch.rand(2, t, f, generator=g, dtype=F64) for _ in range(2))
+    c = torch.randn(2, t, x, generator=g, dtype=F64)
+
+    def far(a, b, c):
+        return blocks_lt_multiply(a, b, c, square=square, chunk_size=8, in_block=False)[0]
+
+    def reference(a, b, c):
+        s = a @ b.transpose(-1, -2)
+        s = s * s if square else s
+        blk = torch.arange(t) // 8
+        earlier = blk[None, :] < blk[:, None]
+        return torch.where(earlier, s, 0.0) @ c
+
+    assert_close(far, reference, a, b, c, tol=1e-12)

@@ -31,8 +31,10 @@ def _inputs(T, *, lead=(2, 3), dtype=torch.float64, nonneg=True, seed=0, require
 @pytest.mark.parametrize("chunk", [1, 16])
 @pytest.mark.parametrize("T_kind", ["1", "2", "c-1", "c", "c+1", "97"])
 @pytest.mark.parametrize(
-    "local,degree,square", [("polynomial", 4, False), ("polynomial", 2, True), ("relu", 2, False)]
-)
+    "local,degree,square",
+    [("polynomial", 4, False), ("polynomial", 2, True), ("relu", 2, False), ("none", 4, False),
+     ("none", 2, True)],
+)  # fmt: skip
 def test_matches_naive_outputs_and_gradients(chunk, T_kind, local, degree, square):
     T = {"1": 1, "2": 2, "c-1": chunk - 1, "c": chunk, "c+1": chunk + 1, "97": 97}[T_kind]
     if T < 1:  # chunk - 1 == 0 for chunk 1: use the next awkward length instead
@@ -48,6 +50,9 @@ def test_matches_naive_outputs_and_gradients(chunk, T_kind, local, degree, squar
     (out_fast * w).sum().backward()
     (out_ref * w).sum().backward()
     for name, x, y in zip(["q", "k", "v", "phi_q", "phi_k"], a, b, strict=True):
+        if local == "none" and name in ("q", "k"):  # no local scores: q, k unused
+            assert x.grad is None and y.grad is None, name
+            continue
         if x.grad is None:  # T <= chunk: no earlier block, the features are unused
             assert T <= chunk and name.startswith("phi") and not y.grad.any(), name
             continue
@@ -156,7 +161,7 @@ def test_rejects_bad_input():
 
 
 @pytest.mark.parametrize("square", [False, True])
-@pytest.mark.parametrize("local,degree", [("polynomial", 4), ("relu", 2)])
+@pytest.mark.parametrize("local,degree", [("polynomial", 4), ("relu", 2), ("none", 4)])
 @pytest.mark.parametrize("prefill,step", [(1, 1), (5, 1), (8, 3), (13, 2)])
 def test_prefill_plus_steps_equal_naive_outputs_gradients_and_state(
     prefill, step, local, degree, square
@@ -178,9 +183,12 @@ def test_prefill_plus_steps_equal_naive_outputs_gradients_and_state(
     ref = naive_mixed_attention(*b, **kw)
     assert out.shape == ref.shape and rel_err(out.detach(), ref.detach()) <= 1e-10
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-    grads = torch.autograd.grad((out * w).sum(), a)
-    ref_grads = torch.autograd.grad((ref * w).sum(), b)
+    grads = torch.autograd.grad((out * w).sum(), a, allow_unused=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), b, allow_unused=True)
     for name, x, y in zip(["q", "k", "v", "phi_q", "phi_k"], grads, ref_grads, strict=True):
+        if local == "none" and name in ("q", "k"):  # no local scores: q, k unused
+            assert x is None and y is None, name
+            continue
         assert rel_err(x, y) <= 1e-10, name
     full = (T // c) * c  # 20: five completed blocks, one token in the current block
     q, k, v, fq, fk = (x.detach() for x in a)
@@ -207,3 +215,20 @@ def test_mixed_step_refuses_a_state_that_does_not_fit():
     with pytest.raises(TypeError, match="MixedAttentionState"):
         mixed_attention_step(*one, (state.summary,), chunk_size=4)
     assert isinstance(state, MixedAttentionState) and state.length == 10
+
+
+def test_local_none_reads_earlier_blocks_only():
+    """local="none": row i is Σ_{j < start(i)} s_ij v_j / (offset + Σ s_ij), entry by entry;
+    the first block's rows are 0 without an offset; eps=0 with no offset is refused."""
+    T, c = 9, 4
+    q, k, v, fq, fk = (t[0, 0] for t in _inputs(T))
+    out = mixed_attention(q, k, v, fq, fk, chunk_size=c, local="none")
+    for i in range(T):
+        start = (i // c) * c
+        if start == 0:
+            assert not out[i].any()
+            continue
+        s = fq[i] @ fk[:start].T
+        assert rel_err(out[i], (s @ v[:start]) / s.sum()) <= 1e-13
+    with pytest.raises(ValueError, match="eps=0"):
+        mixed_attention(q, k, v, fq, fk, chunk_size=c, local="none", eps=0.0)

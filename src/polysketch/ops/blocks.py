@@ -13,6 +13,7 @@ the local score inputs Â, B̂ (= A, B for linear attention; the raw q, k for mi
 
     out_n = lt((Â_n B̂_nᵀ)^{∘p}) C̃_n + Ψq(A_n) P_n,     P_n = P_0 + Σ_{m<n} Ψ(B_m)ᵀ C̃_m
 
+(without the first term when ``in_block=False``: each row reads the earlier blocks only)
 with p = 2 and the pair features Ψ = ψ, Ψq = ψ·ω of ``polysketch.ops.pairs`` for squared
 scores ((x·y)² = Σ ω ψ(x) ψ(y), about F²/2 per token instead of F²), p = 1 and Ψ = Ψq = id
 for plain scores. The exclusive prefix P_n is P_0 plus a cumsum of the earlier states (never a
@@ -111,7 +112,7 @@ class _BlockAttention(torch.autograd.Function):
     """Forward and recomputing backward of the module docstring (groups of ``group`` blocks)."""
 
     @staticmethod
-    def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square):
+    def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square, in_block):
         acc, od = p0.dtype, a.dtype
         t, f = a.shape[-2], a.shape[-1]
         blk = max(1, min(chunk_size, t))
@@ -126,26 +127,27 @@ class _BlockAttention(torch.autograd.Function):
             sl = slice(start, min(n, start + group))
             ag, bg, cg, lag, lbg = A[..., sl, :, :], B[..., sl, :, :], C[..., sl, :, :], \
                 LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
-            g = _scores(lag, lbg, acc)
-            m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
-            out = (m.to(od) @ cg).to(acc)
             s = (space.keys(bg).transpose(-1, -2) @ cg).to(acc)  # (..., G, F', E+1)
             prefix = _exclusive_prefix(state, s)
             pod = prefix.to(od)
-            out = out + (space.queries(ag) @ pod).to(acc)
+            out = (space.queries(ag) @ pod).to(acc)
+            if in_block:
+                g = _scores(lag, lbg, acc)
+                m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
+                out = (m.to(od) @ cg).to(acc) + out
             state = prefix[..., -1, :, :] + s[..., -1, :, :]
             outs.append(out)
             prefixes.append(pod)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
         pods = prefixes[0] if len(prefixes) == 1 else torch.cat(prefixes, dim=-3)
         ctx.save_for_backward(a, b, c, la, lb, pods)
-        ctx.config = (power, blk, n, group, square, acc)
+        ctx.config = (power, blk, n, group, square, acc, in_block)
         return out.flatten(-3, -2)[..., :t, :], state
 
     @staticmethod
     def backward(ctx, d_out, d_state):
         a, b, c, la, lb, pods = ctx.saved_tensors
-        power, blk, n, group, square, acc = ctx.config
+        power, blk, n, group, square, acc, in_block = ctx.config
         od, t, f = a.dtype, a.shape[-2], a.shape[-1]
         local_inputs = la is not None
         A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
@@ -167,15 +169,17 @@ class _BlockAttention(torch.autograd.Function):
                 LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
             dog = dO[..., sl, :, :].to(acc)
             dod = dog.to(od)
-            # local: M = lt(G^p), out = M C̃
-            g = _scores(lag, lbg, acc)
-            m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
-            dm = torch.where(tril, (dod @ cg.transpose(-1, -2)).to(acc), g.new_zeros(()))
-            dc = (m.to(od).transpose(-1, -2) @ dod).to(acc)
-            dg = dm * (power * g ** (power - 1)) if power != 1 else dm
-            dgo = dg.to(od)
-            dla = (dgo @ lbg).to(acc)
-            dlb = (dgo.transpose(-1, -2) @ lag).to(acc)
+            # local: M = lt(G^p), out = M C̃ (none without in-block scores)
+            dc = dla = dlb = None
+            if in_block:
+                g = _scores(lag, lbg, acc)
+                m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
+                dm = torch.where(tril, (dod @ cg.transpose(-1, -2)).to(acc), g.new_zeros(()))
+                dc = (m.to(od).transpose(-1, -2) @ dod).to(acc)
+                dg = dm * (power * g ** (power - 1)) if power != 1 else dm
+                dgo = dg.to(od)
+                dla = (dgo @ lbg).to(acc)
+                dlb = (dgo.transpose(-1, -2) @ lag).to(acc)
             # read of the prefixes: out += Ψq(A) P
             pod = pods[..., sl, :, :]
             qf = space.queries(ag)
@@ -193,13 +197,14 @@ class _BlockAttention(torch.autograd.Function):
             kf = space.keys(bg)
             dso = ds.to(od)
             dkf = (cg @ dso.transpose(-1, -2)).to(acc)  # (..., G, b, F')
-            dc = dc + (kf @ dso).to(acc)
+            dck = (kf @ dso).to(acc)
+            dc = dck if dc is None else dc + dck
             da = space.queries_backward(ag.to(acc), dqf)
             db = space.keys_backward(bg.to(acc), dkf)
             if local_inputs:
-                grads["la"].append(dla)
-                grads["lb"].append(dlb)
-            else:
+                grads["la"].append(dla if in_block else torch.zeros_like(lag, dtype=acc))
+                grads["lb"].append(dlb if in_block else torch.zeros_like(lbg, dtype=acc))
+            elif in_block:
                 da, db = da + dla, db + dlb
             for name, value in (("a", da), ("b", db), ("c", dc)):
                 grads[name].append(value)
@@ -217,7 +222,7 @@ class _BlockAttention(torch.autograd.Function):
             r,
             merge(grads["la"], la) if local_inputs else None,
             merge(grads["lb"], lb) if local_inputs else None,
-            None, None, None, None,
+            None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -233,6 +238,7 @@ def blocks_lt_multiply(
     local_k: torch.Tensor | None = None,
     local_power: int | None = None,
     group_bytes: int | None = None,
+    in_block: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal lt(s) C̃ with s_ij = local score inside blocks, Ψq(a_i)·Ψ(b_j) across blocks.
 
@@ -243,7 +249,9 @@ def blocks_lt_multiply(
     features themselves with power 2 if ``square`` else 1). Operands are used in the dtype
     given (the caller casts them to ``operand_dtype``); ``initial`` sets the accumulation dtype
     (default ``compute_dtype(a.dtype)``). ``group_bytes``: temporaries budget per group of
-    blocks (``None``: all blocks at once, the accelerator layout).
+    blocks (``None``: all blocks at once, the accelerator layout). ``in_block=False`` leaves
+    the in-block scores out (s_ij = 0 for j in i's block): each row reads the state of the
+    earlier blocks only (mixed attention's ``local="none"``).
 
     Returns out (..., T, X) and the final state P_0 + Σ_m Ψ(B_m)ᵀ C̃_m (..., F', X), both in
     the accumulation dtype; differentiable in every tensor argument (recomputing backward).
@@ -267,7 +275,7 @@ def blocks_lt_multiply(
         itemsize=initial.element_size(),
     )  # fmt: skip
     return _BlockAttention.apply(
-        a, b, c, initial, local_q, local_k, power, chunk_size, group, square
+        a, b, c, initial, local_q, local_k, power, chunk_size, group, square, in_block
     )
 
 

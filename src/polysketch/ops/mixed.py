@@ -18,7 +18,12 @@ where ``blk(i)`` is the block of row ``i`` and ``start(i)`` its first row. Local
 (all "softmax-free", i.e. unnormalised scores that are summed with the global ones):
 
 * ``"polynomial"``: κ(q, k) = (scale · q·k)^degree (Eq. 1; even degree keeps it >= 0);
-* ``"relu"``: κ(q, k) = relu(scale · q·k)^degree (degree 2 is the relu² of Hua et al. 2022).
+* ``"relu"``: κ(q, k) = relu(scale · q·k)^degree (degree 2 is the relu² of Hua et al. 2022);
+* ``"none"``: κ ≡ 0, so row i reads the keys of the earlier blocks only, through the features,
+  normalized by their scores alone: ``out_i = Σ_{j < start(i)} s_ij v_j / (offset + Σ_{j <
+  start(i)} s_ij)`` (0 in the first block). Beside an exact sliding window of at least b keys
+  (``polysketch.nn.transformer.Block``) every earlier key is seen by one of the two branches,
+  and the linear part skips the b×b×F in-block scores, about half of its cost at F ≫ E.
 
 When the features are exact (e.g. ``tensor_power`` of degree p with ``local="polynomial"``,
 ``degree=p``) the mixed output equals exact polynomial attention.
@@ -45,7 +50,7 @@ from .pairs import PairFeatures
 
 __all__ = ["mixed_attention", "naive_mixed_attention", "LOCAL_KERNELS"]
 
-LOCAL_KERNELS = ("polynomial", "relu")
+LOCAL_KERNELS = ("polynomial", "relu", "none")
 
 
 # ----- validation ----------------------------------------------------------------------------
@@ -80,11 +85,19 @@ def _validate(q, k, v, phi_q, phi_k, chunk_size, local, degree, square, offset, 
     check_bool(square, "square")
     offset, eps = check_offset_eps(offset, eps)
     scale = 1.0 if scale is None else check_float(scale, "scale")
+    if local == "none" and offset == 0.0 and eps == 0.0:
+        raise ValueError(
+            'local="none" leaves the first block without keys (its normalizer is '
+            "denominator_offset alone): eps=0 with denominator_offset=0 would divide 0 by 0 "
+            "there; keep eps > 0 (its rows are then 0) or set an offset"
+        )
     return chunk_size, local, degree, offset, eps, scale
 
 
 def _local_kernel(z: torch.Tensor, local: str, degree: int) -> torch.Tensor:
     """κ applied elementwise to the scaled dot products ``z = scale · q·k``."""
+    if local == "none":
+        return torch.zeros_like(z)
     if local == "relu":
         z = torch.relu(z)
     return z.pow(degree)
@@ -130,8 +143,8 @@ def mixed_attention(
         v: (..., T, E) values.
         phi_q, phi_k: (..., T, F) query / key features for the global scores.
         chunk_size: b, the block length (any T is accepted; the last block may be partial).
-        local: ``"polynomial"`` or ``"relu"`` (module doc).
-        degree: p of the local kernel.
+        local: ``"polynomial"``, ``"relu"`` or ``"none"`` (module doc).
+        degree: p of the local kernel (unused by ``"none"``).
         square: the global score is (φq·φk)² (self-tensoring, §2.1), never materialising F².
         denominator_offset: added to the normaliser (any finite real, as ``linear_attention``).
         scale: multiplies q·k inside κ (default 1).
@@ -139,7 +152,8 @@ def mixed_attention(
             replaced by sign(den)·max(|den|, eps); ``eps=0`` disables it.
 
     Returns:
-        (..., T, E), dtype of ``q``. ``local="polynomial"`` (the psf_mixed preset) runs the
+        (..., T, E), dtype of ``q``. ``local="polynomial"`` (the psf_mixed preset) and
+        ``"none"`` (without the in-block scores) run the
         recomputing block function of ``polysketch.ops.blocks`` (Ψ pair features when
         ``square``; all blocks at once on accelerators, groups on CPU) under its precision
         policy (half GEMM operands on accelerators; scores, states and normaliser in fp32);
@@ -149,13 +163,17 @@ def mixed_attention(
         q, k, v, phi_q, phi_k, chunk_size, local, degree, square, denominator_offset, eps, scale
     )
     out_dtype = q.dtype
-    if local == "polynomial":  # the recomputing block function (ops.blocks), any device
+    if local in ("polynomial", "none"):  # the recomputing block function (ops.blocks)
         od = operand_dtype(q.dtype, q.device)
         q, k, v, phi_q, phi_k = (t.to(od) for t in (q, k, v, phi_q, phi_k))
+        local_inputs = {}
+        if local == "polynomial":
+            local_inputs = dict(local_q=q * scale if scale != 1.0 else q, local_k=k,
+                                local_power=degree)  # fmt: skip
         num, _ = blocks_lt_multiply(
             phi_q, phi_k, _with_ones(v), square=square, chunk_size=chunk_size,
-            local_q=q * scale if scale != 1.0 else q, local_k=k, local_power=degree,
-            group_bytes=group_bytes_for(q.device),
+            group_bytes=group_bytes_for(q.device), in_block=local == "polynomial",
+            **local_inputs,
         )  # fmt: skip
         out = num[..., :-1] / stabilize_denominator(num[..., -1:] + offset, eps)
         return out.to(out_dtype)
