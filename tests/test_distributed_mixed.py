@@ -30,12 +30,14 @@ CASES = {
     "T1": {"map": "square", "T": 1},
     "T_below_world": {"map": "plain", "T": 3, "chunk": 2},
     "uneven_split": {"map": "square", "split": {2: [5, 32], 4: [0, 17, 3, 17]}, "offset": 1.0},
+    "no_local_scores": {"map": "plain", "local": "none"},  # soft_hash_far's form
+    "no_local_scores_uneven": {"map": "square", "local": "none", "split": {2: [5, 32]}},
 }
 FP32_CASES = ("square_chunk8", "plain_offset_scale")
 
 
 def _setting(name):
-    c = {"T": 37, "chunk": 8, "offset": 0.0, "scale": None, "split": {}}
+    c = {"T": 37, "chunk": 8, "offset": 0.0, "scale": None, "split": {}, "local": "polynomial"}
     c.update(CASES[name])
     return c
 
@@ -59,7 +61,8 @@ def _run(data, lo, hi, op):
     c, fmap = data["c"], data["fmap"]
     q, k, v = (data[x][..., lo:hi, :].clone().requires_grad_() for x in "qkv")
     out = op(q, k, v, fmap.query(q), fmap.key(k), chunk_size=c["chunk"], degree=4,
-             square=fmap.square, denominator_offset=c["offset"], scale=c["scale"])  # fmt: skip
+             square=fmap.square, denominator_offset=c["offset"], scale=c["scale"],
+             local=c["local"])  # fmt: skip
     fmap.zero_grad()
     (out * data["w"][..., lo:hi, :]).sum().backward()
     res = {"out": out.detach(), "q": grad_of(q), "k": grad_of(k), "v": grad_of(v)}

@@ -43,6 +43,12 @@ CASES = {
         "global_heads": 1,
         "map_kwargs": {"num_features": 8, "temperature": 8.0},
     },
+    "soft_hash_far_window": {  # soft_hash_far: the blocks before the own one, beside a window
+        "attention": "soft_hash_far",
+        "local_window": 8,
+        "global_heads": 1,
+        "map_kwargs": {"num_features": 8},
+    },
     "window_packed": {"attention": "sliding_window", "window": 6, "cu": [0, 5, 6, 19, 30, 37]},
     "soft_hash_window_T3": {
         "attention": "soft_hash_1k",

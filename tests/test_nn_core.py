@@ -39,6 +39,7 @@ CASES = [
     ("hedgehog", {"mixed": True, "degree": 2}),
     ("psf_mixed", {"learn_balance": True}),
     ("llops", {"mixed": True, "learn_balance": True}),
+    ("soft_hash_far", {"num_features": 12}),
 ]
 IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in CASES]
 

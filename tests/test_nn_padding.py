@@ -24,6 +24,7 @@ CASES = [
     ("positive", {}),
     ("elu", {"mixed": True}),
     ("tensor_power", {"degree": 2, "square": True, "mixed": True}),
+    ("soft_hash_far", {"num_features": 12}),
 ]
 IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in CASES]
 
@@ -119,6 +120,10 @@ V = 23
         ("hedgehog", {"mixed": True}),
         ("sliding_window", {"window": 4}),
         ("psf_random", {"local_window": 3}),
+        (
+            "soft_hash_far",
+            {"local_window": 4, "global_heads": 1, "map_kwargs": {"num_features": 12}},
+        ),
     ],  # fmt: skip
 )
 def test_left_padded_generate_equals_each_row_alone(attention, kw):

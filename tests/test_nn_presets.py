@@ -15,6 +15,15 @@ KEY_WORDS = {
     "psf_mixed": ["exact local polynomial degree 4", "psf_random", "r = 32", "1 + Σ"],
     "polynomial": ["degree 4", "LayerNorm", "1 + Σ", "quadratic"],
     "soft_hash_1k": ["soft_hash", "1024", "temperature 4", "LayerNorm", "no offset", "1.9×"],
+    "soft_hash_far": [
+        "soft_hash",
+        "1920",
+        "temperature 10",
+        "LayerNorm",
+        "normalizer Σ",
+        "local='none'",
+        "window of >= chunk_size",
+    ],
     "softmax": ["softmax", "1/sqrt(D)", "no q/k norm"],
     "sliding_window": ["last w keys", "window=w", "softmax", "1/sqrt(D)", "O(T·w)", "polynomial"],
 }
@@ -99,3 +108,24 @@ def test_soft_hash_preset_sets_the_screened_configuration():
     layer = KernelAttention(128, 2, attention="soft_hash_1k")
     assert layer.feature_map.feature_dim == 1024
     assert layer.decode_state_size(5000) == 2 * 1024 * (64 + 1)
+
+
+def test_soft_hash_far_reads_earlier_blocks_only_and_refuses_what_it_lacks():
+    """soft_hash_far is mixed attention without in-block scores (ops local="none"): a query
+    sees nothing of its own block, the first block's outputs are 0; it has no degree to set
+    and no local blocks to balance."""
+    spec = resolve_attention("soft_hash_far", 8, {})
+    assert (spec.algorithm, spec.local, spec.denominator_offset) == ("mixed", "none", 0.0)
+    layer = KernelAttention(16, 2, attention="soft_hash_far", chunk_size=4, num_features=12)
+    x = torch.randn(1, 10, 16)
+    y = layer(x)
+    assert not y[:, :4].any()  # block 0 has no earlier block (no biases: out_proj(0) = 0)
+    changed = x.clone()
+    changed[:, 5] += 1.0  # key 5 (block 1) is seen from block 2 on, not by its own block
+    z = layer(changed)
+    same = [0, 1, 2, 3, 4, 6, 7]  # (row 5's own query changed)
+    assert torch.equal(z[:, same], y[:, same]) and not torch.allclose(z[:, 8:], y[:, 8:])
+    with pytest.raises(ValueError, match="no degree"):
+        resolve_attention("soft_hash_far", 8, {"degree": 2})
+    with pytest.raises(ValueError, match="learn_balance"):
+        KernelAttention(16, 2, attention="soft_hash_far", learn_balance=True)

@@ -29,6 +29,7 @@ def test_causality_bit_identical(attention):
         assert not torch.allclose(changed[:, t + 1 :], logits[:, t + 1 :])
 
 
+FAR_MAP = {"num_features": 12}  # soft_hash_far with few buckets
 GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive", "psf_mixed"]
 
 
@@ -38,7 +39,13 @@ GEN = ["softmax", "polynomial", "polysketch", "tensor_power", "elu", "positive",
     + [("psf_random", {"local_window": 3}), ("soft_hash", {"local_window": 5, "short_conv": 2})]
     + [("soft_hash", {"local_window": 4, "local_shared": True, "short_conv": 2, "qk_dim": 4})]
     + [("soft_hash", {"local_window": 4, "global_heads": 1})]
-    + [("soft_hash", {"local_window": 4, "global_heads": 1, "global_every": 2})],
+    + [("soft_hash", {"local_window": 4, "global_heads": 1, "global_every": 2})]
+    + [
+        (
+            "soft_hash_far",
+            {"local_window": 4, "global_heads": 1, "map_kwargs": {"num_features": 12}},
+        )
+    ],
 )
 def test_greedy_generate_equals_full_forward_argmax(attention, kw):
     model = _model(attention, **kw).double()
@@ -430,3 +437,15 @@ def test_global_heads_refusals():
         config(attention="soft_hash", local_window=4, global_heads=3)
     with pytest.raises(ValueError, match="local_shared=True needs global_heads"):
         config(attention="soft_hash", local_window=4, global_heads=1, local_shared=True)
+
+
+def test_soft_hash_far_needs_a_window_of_at_least_a_block_beside_it():
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4,
+                 map_kwargs={"num_features": 12})  # fmt: skip
+    for window in (None, 3):  # alone, or a window that leaves keys of the own block unseen
+        with pytest.raises(ValueError, match="local_window"):
+            TransformerLM(
+                TransformerConfig(attention="soft_hash_far", local_window=window, **small)
+            )
+    model = TransformerLM(TransformerConfig(attention="soft_hash_far", local_window=4, **small))
+    assert model.blocks[0].attn.algorithm == "mixed" and model.blocks[0].attn.spec.local == "none"

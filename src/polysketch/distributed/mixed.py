@@ -61,8 +61,9 @@ def cp_mixed_attention(
             T_r >= 0, any split in rank order; leading dims, D, F, E, dtype and device equal
             on every rank. group: the cp group (``polysketch.distributed.resolve_group``);
             every rank calls this op and its backward together.
-        local: ``"polynomial"`` only (the psf_mixed preset; the "relu" kernel has no block
-            function with states). Others as ``mixed_attention``.
+        local: ``"polynomial"`` (the psf_mixed preset) or ``"none"`` (no in-block scores,
+            ``soft_hash_far``); the "relu" kernel has no block function with states and is
+            refused. Others as ``mixed_attention``.
 
     Returns:
         this rank's rows of the output (..., T_r, E) in the dtype of q.
@@ -71,9 +72,10 @@ def cp_mixed_attention(
     b, local, degree, offset, eps, scale = _validate(
         q, k, v, phi_q, phi_k, chunk_size, local, degree, square, denominator_offset, eps, scale
     )
-    if local != "polynomial":
+    if local not in ("polynomial", "none"):
         raise ValueError(
-            f"local: context-parallel mixed attention supports 'polynomial' only, got {local!r}"
+            "local: context-parallel mixed attention supports 'polynomial' and 'none' only, "
+            f"got {local!r}"
         )
     out_dtype, device = q.dtype, q.device
     od, acc = operand_dtype(q.dtype, device), compute_dtype(q.dtype)
@@ -96,7 +98,7 @@ def cp_mixed_attention(
     if t:
         num, _ = blocks_lt_multiply(
             fq, fk, vals, square=square, chunk_size=b, initial=prefix, local_q=qs, local_k=keys,
-            local_power=degree, group_bytes=group_bytes_for(device),
+            local_power=degree, group_bytes=group_bytes_for(device), in_block=local == "polynomial",
         )  # fmt: skip
         num = num[..., h:, :]
     else:  # nothing to compute; the prefix's backward gathers on every rank: keep it

@@ -134,10 +134,11 @@ class MixedCache(_Cache):
     block's ``k``, ``phi_k``, ``v``) while every row shares one block grid, else one per row
     (``rows``, leading dims (1, H)), each stepped by ``ops.mixed_attention_step``."""
 
-    def __init__(self, chunk_size: int, square: bool) -> None:
+    def __init__(self, chunk_size: int, square: bool, local: str = "polynomial") -> None:
         super().__init__()
         self.chunk_size = chunk_size
         self.square = square
+        self.local = local  # the in-block kernel: "polynomial" or "none" (ops.mixed)
         self.batch: MixedAttentionState | None = None
         self.rows: list[MixedAttentionState] | None = None
 
@@ -176,8 +177,8 @@ class MixedCache(_Cache):
     def steps(self, q, k, v, phi_q, phi_k, keep, *, degree: int, offset: float, eps: float):
         """n new time steps after a prefill: (B, H, n, ·) inputs, ``keep`` (B, n) or None ->
         (B, H, n, E) (zeros at padded steps), by ``ops.mixed_attention_step`` (exact local
-        polynomial of ``degree``)."""
-        kw = dict(chunk_size=self.chunk_size, local="polynomial", degree=degree,
+        polynomial of ``degree``, or no in-block scores with ``local="none"``)."""
+        kw = dict(chunk_size=self.chunk_size, local=self.local, degree=degree,
                   square=self.square, denominator_offset=offset, eps=eps)  # fmt: skip
         self.length += q.shape[-2]
         if self.rows is None and keep is None:

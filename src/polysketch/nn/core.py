@@ -134,6 +134,11 @@ class AttentionCore(nn.Module):
             raise ValueError(
                 f"attention={attention!r} ({spec.algorithm} attention) needs causal=True"
             )
+        if learn_balance and spec.local == "none":
+            raise ValueError(
+                f"learn_balance=True weighs the far blocks against exact local blocks, and "
+                f"attention={attention!r} has none (its normalizer is the far scores' alone)"
+            )
         if learn_balance and spec.algorithm != "mixed":
             raise ValueError(
                 "learn_balance=True needs mixed attention (mixed=True or psf_mixed): it weighs "
@@ -179,7 +184,7 @@ class AttentionCore(nn.Module):
         if self.algorithm == "linear":
             return RecurrentCache()
         if self.algorithm == "mixed":
-            return MixedCache(self.chunk_size, self.feature_map.square)
+            return MixedCache(self.chunk_size, self.feature_map.square, local=self.spec.local)
         if self.algorithm == "window":
             return WindowCache(self.window)
         return KVCache()
@@ -353,7 +358,7 @@ class AttentionCore(nn.Module):
         def run(q, k, v):
             phi_q, k, phi_k, v = features(q, k, v, keep)
             out = mixed_attention(q, k, v, phi_q, phi_k, chunk_size=self.chunk_size,
-                                  local="polynomial", degree=self.degree, square=fm.square,
+                                  local=self.spec.local, degree=self.degree, square=fm.square,
                                   denominator_offset=self.denominator_offset)  # fmt: skip
             return out, k, phi_k, v
 

@@ -41,6 +41,14 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU. The model
   preset ``soft_hash_local`` runs it with 512 buckets at τ = 8 beside an exact 64-token
   window, which closes the natural-text gap and keeps the copy.
+* ``soft_hash_far`` — ours (issue 21 §2): the ``soft_hash`` map with F = 1920 equal-norm
+  buckets (``unit_directions``) at initial τ = 10, LayerNorm on q and k, normalizer Σ, read
+  for the keys of the blocks of ``chunk_size`` before each query's own only: mixed attention
+  with no in-block scores (``ops.mixed_attention(local="none")``), so the linear part skips the
+  b×b×F in-block products (about half its cost at F ≫ E). Meant beside an exact window of at
+  least ``chunk_size`` keys, which sees the rest (``TransformerConfig`` refuses it without
+  one, ``convert`` refuses it); its first block's outputs are 0. Decode state per head F·(E +
+  1) at block boundaries, + (t mod b)·(D + E + F) between them (``MixedCache``).
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
@@ -200,6 +208,23 @@ PRESETS: dict[str, dict] = {
             "denominator_offset": 0.0,
         },
     },
+    "soft_hash_far": {
+        "description": (
+            "soft hashing of the completed blocks: soft_hash with F = 1920 learned buckets "
+            "(equal-norm directions, initial temperature 10, learned), LayerNorm on q/k, "
+            "normalizer Σ; each query reads the keys of the blocks of chunk_size before its "
+            "own only (mixed attention with local='none'), for use beside an exact window of "
+            ">= chunk_size keys (the model preset soft_hash_local)"
+        ),
+        "settings": {
+            "algorithm": "mixed",
+            "local": "none",
+            "feature_map": "soft_hash",
+            "map_kwargs": {"num_features": 1920, "temperature": 10.0, "unit_directions": True},
+            "qk_norm": True,
+            "denominator_offset": 0.0,
+        },
+    },
     "softmax": {
         "description": "exact softmax attention, scale 1/sqrt(D) (SDPA), no q/k norm (quadratic)",
         "settings": {"algorithm": "softmax", "qk_norm": False, "denominator_offset": 0.0},
@@ -250,6 +275,7 @@ class AttentionSpec:
     qk_norm: bool = False
     denominator_offset: float = 0.0
     degree: int = 4
+    local: str = "polynomial"  # "mixed": the in-block kernel (ops.mixed.LOCAL_KERNELS)
     window: int | None = None  # "window": the number of keys each query sees
     window_kernel: str = "softmax"  # "window": "softmax" or "polynomial"
 
@@ -316,6 +342,13 @@ def resolve_attention(
             algorithm, extra, norm_default, offset_default, degree = _window_settings(
                 kwargs, window
             )
+        elif s.get("local") == "none":
+            if "degree" in kwargs:
+                raise ValueError(
+                    f"attention={attention!r} has no in-block scores, so no degree: drop "
+                    "degree from map_kwargs"
+                )
+            extra["local"] = "none"
         elif algorithm in ("polynomial", "mixed"):
             degree = kwargs.pop("degree", s["degree"])
         if algorithm in ("polynomial", "softmax") and kwargs:

@@ -177,7 +177,7 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
             phi_q, phi_k = core._features(q, k, None, normalize=False)
             phi_q = core._global_queries(phi_q)
             o = cp_mixed_attention(q, k, v, phi_q, phi_k, group=shard.group,
-                                   chunk_size=core.chunk_size, local="polynomial",
+                                   chunk_size=core.chunk_size, local=core.spec.local,
                                    degree=core.degree, square=fm.square,
                                    denominator_offset=core.denominator_offset)  # fmt: skip
     return o.to(out_dtype)

@@ -31,7 +31,7 @@ from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
 from .cache import ParallelCache
-from .presets import MODEL_PRESETS
+from .presets import MODEL_PRESETS, PRESETS
 from .sharding import check_core_on_shard, make_shard
 from .warm_start import set_exact_attention as _set_exact_attention
 
@@ -157,6 +157,15 @@ class TransformerConfig:
             if self.global_every > self.n_layer:
                 raise ValueError(f"global_every={self.global_every} > n_layer={self.n_layer} "
                                  "leaves no layer with the global attention")  # fmt: skip
+        attention, window = self.branches()
+        if (PRESETS.get(attention) or {}).get("settings", {}).get("local") == "none" and (
+            window is None or window < self.chunk_size
+        ):
+            raise ValueError(
+                f"attention={attention!r} reads only the blocks of chunk_size={self.chunk_size} "
+                f"before each query's own: it needs an exact window of >= chunk_size keys beside "
+                f"it, got local_window={window} (use the model preset soft_hash_local)"
+            )
         heads = self.attention_heads()
         if self.n_embd % heads:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..._checks import check_int, check_positive_int
-from ...nn.presets import valid_attentions
+from ...nn.presets import PRESETS, valid_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
 from .policies import check_policies, configured_window, install_cache_guards, register
@@ -134,6 +134,12 @@ def _check_settings(
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
     if attention not in valid_attentions():
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
+    if PRESETS.get(attention, {}).get("settings", {}).get("local") == "none":
+        raise ValueError(
+            f"attention={attention!r} reads only the blocks before each query's own and needs "
+            "an exact window beside it, which a converted layer does not have; convert with "
+            "attention='soft_hash_1k' (every earlier key) or mixed=True (exact local blocks)"
+        )
     for name, flag in (("mixed", mixed), ("learn_balance", learn_balance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
