@@ -232,3 +232,28 @@ def test_local_none_reads_earlier_blocks_only():
         assert rel_err(out[i], (s @ v[:start]) / s.sum()) <= 1e-13
     with pytest.raises(ValueError, match="eps=0"):
         mixed_attention(q, k, v, fq, fk, chunk_size=c, local="none", eps=0.0)
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_far_token_keeps_raw_keys_and_equals_the_whole_sequence(square):
+    """far_attention_token (local="none", the current block's raw keys featurized when it
+    completes) after a prefill equals naive_mixed_attention(local="none") on the whole
+    sequence; between block boundaries the state holds k and v but no features."""
+    from polysketch.ops.mixed_step import far_attention_token, mixed_attention_state
+
+    T, c, pre = 19, 4, 6
+    fmap = features.create("hedgehog", D, num_features=F, seed=1).double()
+    q, k, v = (t.detach() for t in _inputs(T)[:3])
+    fq, fk = fmap.query(q), fmap.key(k)
+    kw = dict(chunk_size=c, square=square, denominator_offset=0.5, eps=1e-6)
+    ref = naive_mixed_attention(q, k, v, fq, fk, local="none", **kw)
+    st = mixed_attention_state(k[..., :pre, :], fk[..., :pre, :], v[..., :pre, :], chunk_size=c,
+                               square=square)  # fmt: skip
+    st = MixedAttentionState(st.summary, st.k, None, st.v, st.length)
+    outs = []
+    for i in range(pre, T):
+        one = [x[..., i : i + 1, :] for x in (fq, k, v)]
+        out, st = far_attention_token(*one, st, key_features=fmap.key, **kw)
+        outs.append(out)
+        assert st.phi_k is None and (st.k is None) == ((i + 1) % c == 0)
+    assert rel_err(torch.cat(outs, dim=-2), ref[..., pre:, :]) <= 1e-12

@@ -33,6 +33,7 @@ import torch
 from ..ops import LinearAttentionState
 from ..ops.mixed_step import (
     MixedAttentionState,
+    far_attention_token,
     mixed_attention_state,
     mixed_attention_step,
     mixed_attention_token,
@@ -134,13 +135,20 @@ class MixedCache(_Cache):
     block's ``k``, ``phi_k``, ``v``) while every row shares one block grid, else one per row
     (``rows``, leading dims (1, H)), each stepped by ``ops.mixed_attention_step``."""
 
-    def __init__(self, chunk_size: int, square: bool, local: str = "polynomial") -> None:
+    def __init__(self, chunk_size: int, square: bool, local: str = "polynomial",
+                 key_features=None) -> None:  # fmt: skip
         super().__init__()
         self.chunk_size = chunk_size
         self.square = square
         self.local = local  # the in-block kernel: "polynomial" or "none" (ops.mixed)
+        # local="none": the current block keeps raw keys, featurized by this when it completes
+        # (ops.mixed_step.far_attention_token); None keeps their features
+        self.key_features = key_features
         self.batch: MixedAttentionState | None = None
         self.rows: list[MixedAttentionState] | None = None
+
+    def _far(self) -> bool:
+        return self.local == "none" and self.key_features is not None
 
     def _states(self) -> list[MixedAttentionState]:
         return [self.batch] if self.rows is None else self.rows
@@ -161,17 +169,17 @@ class MixedCache(_Cache):
         if lengths is None or len(set(lengths)) == 1:
             n = t if lengths is None else lengths[0]
             head = (x[..., :n, :] for x in (k, phi_k, v))
-            self.batch = mixed_attention_state(*head, **kw)
+            self.batch = self._kept(mixed_attention_state(*head, **kw))
         else:
             self.rows = [
-                mixed_attention_state(
+                self._kept(mixed_attention_state(
                     k[b : b + 1, ..., :n, :],
                     phi_k[b : b + 1, ..., :n, :],
                     v[b : b + 1, ..., :n, :],
                     **kw,
-                )  # fmt: skip
+                ))
                 for b, n in enumerate(lengths)
-            ]
+            ]  # fmt: skip
         self.length = t
 
     def steps(self, q, k, v, phi_q, phi_k, keep, *, degree: int, offset: float, eps: float):
@@ -181,7 +189,10 @@ class MixedCache(_Cache):
         kw = dict(chunk_size=self.chunk_size, local=self.local, degree=degree,
                   square=self.square, denominator_offset=offset, eps=eps)  # fmt: skip
         self.length += q.shape[-2]
+        step = self._step_function(kw)
         if self.rows is None and keep is None:
+            if self._far():
+                return self._far_steps(q, k, v, phi_q, kw)
             if q.shape[-2] == 1 and self.batch.length > 0:  # one token: no re-validation
                 out, self.batch = mixed_attention_token(q, k, v, phi_q, phi_k, self.batch,
                                                         scale=1.0, **kw)  # fmt: skip
@@ -199,11 +210,36 @@ class MixedCache(_Cache):
                 if keep is not None and not bool(keep[b, i]):
                     row.append(torch.zeros_like(one[2]))  # a padded step: no output, no update
                     continue
-                out, st = mixed_attention_step(*one, st, **kw)
+                out, st = step(*one, st)
                 row.append(out)
             self.rows[b] = st
             outs.append(torch.cat(row, dim=-2))
         return torch.cat(outs, dim=0)
+
+    def _kept(self, st: MixedAttentionState) -> MixedAttentionState:
+        """The state to keep after a prefill: without the current block's features when they
+        are made at its completion (``local="none"``)."""
+        if not self._far() or st.phi_k is None:
+            return st
+        return MixedAttentionState(st.summary, st.k, None, st.v, st.length)
+
+    def _step_function(self, kw: dict):
+        """(q, k, v, φq, φk, state) -> (out, state) for one token of one row."""
+        if not self._far():
+            return lambda *args: mixed_attention_step(*args, **kw)
+        far = dict(chunk_size=kw["chunk_size"], square=kw["square"],
+                   denominator_offset=kw["denominator_offset"], eps=kw["eps"],
+                   key_features=self.key_features)  # fmt: skip
+        return lambda q, k, v, phi_q, phi_k, st: far_attention_token(phi_q, k, v, st, **far)
+
+    def _far_steps(self, q, k, v, phi_q, kw) -> torch.Tensor:
+        """Every row in step (one block grid): the new tokens one at a time."""
+        step, outs = self._step_function(kw), []
+        for i in range(q.shape[-2]):
+            one = [x[..., i : i + 1, :] for x in (q, k, v, phi_q)]
+            out, self.batch = step(*one, None, self.batch)
+            outs.append(out)
+        return torch.cat(outs, dim=-2)
 
     def _select_state(self, index):
         if self.rows is not None:

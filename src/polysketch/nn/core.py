@@ -184,7 +184,9 @@ class AttentionCore(nn.Module):
         if self.algorithm == "linear":
             return RecurrentCache()
         if self.algorithm == "mixed":
-            return MixedCache(self.chunk_size, self.feature_map.square, local=self.spec.local)
+            far = self.spec.local == "none"  # the current block keeps raw keys (D, not F)
+            return MixedCache(self.chunk_size, self.feature_map.square, local=self.spec.local,
+                              key_features=self._key_features if far else None)  # fmt: skip
         if self.algorithm == "window":
             return WindowCache(self.window)
         return KVCache()
@@ -194,7 +196,9 @@ class AttentionCore(nn.Module):
 
         Linear: H·F'·(E + 1) with F' = F(⌊F/2⌋+1) (square: the pair layout of ``ops.state``)
         or F, constant; KV cache: H·(D + E)·t; window: H·(D + E)·min(t, w);
-        mixed: H·F'·(E + 1) once a block is complete + H·(t mod b)·(D + E + F).
+        mixed: H·F'·(E + 1) once a block is complete + H·(t mod b)·(D + E + F), or
+        H·(t mod b)·(D + E) without in-block scores (the current block's raw keys, featurized
+        when it completes: ``ops.mixed_step.far_attention_token``).
         """
         t = check_int(seq_len, "seq_len", minimum=0)
         h, d, e = self.num_heads, self.qk_dim, self.value_dim
@@ -205,7 +209,8 @@ class AttentionCore(nn.Module):
         state = h * self.feature_map.state_dim * (e + 1)
         if self.algorithm == "linear":
             return state if t else 0
-        local = h * (t % self.chunk_size) * (d + e + self.feature_map.feature_dim)
+        per_token = d + e + (0 if self.spec.local == "none" else self.feature_map.feature_dim)
+        local = h * (t % self.chunk_size) * per_token
         return (state if t >= self.chunk_size else 0) + local
 
     @torch.no_grad()
@@ -281,6 +286,10 @@ class AttentionCore(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         return softmax_attention(q, k, v, causal=self.causal, scale=scale, key_padding_mask=kpm)
+
+    def _key_features(self, k: torch.Tensor) -> torch.Tensor:
+        """φk of keys (B, H, n, D) as mixed attention makes them (no query rescaling)."""
+        return self._features(k, k, None, normalize=False)[1]
 
     def _features(self, q, k, kpm, *, normalize=True, initial_sums=None):
         """(φq, φk) by ``attention_features`` (stabilized queries only where exact)."""

@@ -32,6 +32,7 @@ __all__ = [
     "mixed_attention_state",
     "mixed_attention_step",
     "mixed_attention_token",
+    "far_attention_token",
 ]
 
 
@@ -145,6 +146,37 @@ def mixed_attention_token(q, k, v, phi_q, phi_k, state, *, chunk_size, local, de
         summary = _fold(state.summary, bf, bv, square=square)
         return as_dtype(out, q.dtype), MixedAttentionState(summary, None, None, None, length)
     return as_dtype(out, q.dtype), MixedAttentionState(state.summary, bk, bf, bv, length)
+
+
+def far_attention_token(phi_q, k, v, state, *, chunk_size, square, denominator_offset, eps,
+                        key_features):  # fmt: skip
+    """One token of mixed attention without in-block scores (``local="none"``) whose state
+    keeps the current block's raw keys instead of their features: (out (..., 1, E), state).
+
+    out = Ψq(φq)·N / stab(offset + Ψq(φq)·Z) over the completed blocks' ``summary`` (0 before
+    the first completes); k (..., 1, D) and v join the current block (``state.k``, ``state.v``;
+    ``state.phi_k`` stays None), and when it completes its features ``key_features(k_block)``
+    (..., b, F) are folded into the summary. So the state between block boundaries holds
+    (t mod b)·(D + E) floats per head instead of (t mod b)·(D + E + F), and the result equals
+    ``mixed_attention_token(..., local="none")`` when ``key_features`` is the map that made φk.
+    For callers that validated everything (``polysketch.nn.cache.MixedCache``).
+    """
+    acc = compute_dtype(phi_q.dtype)
+    bk, bv = (x if buf is None else torch.cat([buf, x], dim=-2)
+              for buf, x in ((state.k, k), (state.v, v)))  # fmt: skip
+    e = v.shape[-1]
+    if state.summary is None:
+        out = torch.zeros(*phi_q.shape[:-1], e, dtype=acc, device=phi_q.device)
+    else:
+        fq = as_dtype(phi_q, acc)
+        fq = PairFeatures.cached(fq.shape[-1], fq).queries(fq) if square else fq
+        num = fq @ state.summary
+        out = num[..., :-1] / stabilize_denominator(num[..., -1:] + denominator_offset, eps)
+    length = state.length + 1
+    if bk.shape[-2] == chunk_size:  # the block is complete: its features, folded
+        summary = _fold(state.summary, key_features(bk), bv, square=square)
+        return as_dtype(out, phi_q.dtype), MixedAttentionState(summary, None, None, None, length)
+    return as_dtype(out, phi_q.dtype), MixedAttentionState(state.summary, bk, None, bv, length)
 
 
 def _check_state(state, q, v, phi_q, *, chunk_size, square):
