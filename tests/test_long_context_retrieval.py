@@ -155,6 +155,12 @@ def test_build_kernel_resolves_specs_like_the_model():
     assert kernel.offset == 1.0 and info["feature_dim"] == math.comb(17, 2)
     with pytest.raises(ValueError, match="position-free"):
         build_kernel("psf_mixed", 16)
+    # no in-block scores: the measured keys are earlier blocks' keys, the map's own kernel
+    far, _ = build_kernel("soft_hash_far:num_features=24", 16)
+    same, _ = build_kernel("soft_hash_1k:num_features=24,temperature=10.0,unit_directions=True", 16)
+    x, y = torch.randn(3, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    assert isinstance(far, FeatureKernel) and far.offset == 0.0
+    assert torch.equal(far.map.target_kernel(x, y), same.map.target_kernel(x, y))
     with pytest.raises(ValueError, match="model options"):
         build_kernel("taylor:qk_dim=4", 16)
     with pytest.raises(ValueError, match="fit_data"):

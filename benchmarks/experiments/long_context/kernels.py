@@ -88,7 +88,10 @@ def build_kernel(
         kernel: Kernel = SoftmaxKernel(1.0 / math.sqrt(dim))
     elif resolved.algorithm == "polynomial":
         kernel = PolynomialKernel(resolved.degree, offset=resolved.denominator_offset, dim=dim)
-    elif resolved.algorithm == "linear":
+    elif resolved.algorithm == "linear" or (
+        resolved.algorithm == "mixed" and resolved.local == "none"
+    ):  # without in-block scores (soft_hash_far) the t keys count as earlier blocks' keys
+        # (the query's own block is the window's), whose weights are the map's kernel
         kwargs = dict(resolved.map_kwargs)
         if _accepts_seed(resolved.feature_map):
             kwargs["seed"] = seed
