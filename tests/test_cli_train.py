@@ -250,6 +250,11 @@ def test_train_takes_a_model_preset(tmp_path, capsys):
                  "--out", str(every), *TINY, "--n-layer", "2"]) == 0  # fmt: skip
     config = load_checkpoint(every / "ckpt.pt", restore_rng=False)["model_config"]
     assert config["global_every"] == 2
+    unrotated = tmp_path / "unrotated"
+    assert main(["train", "--attention", "soft_hash_local", "--no-global-rope", "--steps", "2",
+                 "--out", str(unrotated), *TINY]) == 0  # fmt: skip
+    config = load_checkpoint(unrotated / "ckpt.pt", restore_rng=False)["model_config"]
+    assert config["global_rope"] is False
     assert main(["generate", "--checkpoint", str(every / "ckpt.pt"), "--prompt", "ab",
                  "--max-new-tokens", "3"]) == 0  # fmt: skip
     capsys.readouterr()

@@ -449,3 +449,26 @@ def test_soft_hash_far_needs_a_window_of_at_least_a_block_beside_it():
             )
     model = TransformerLM(TransformerConfig(attention="soft_hash_far", local_window=4, **small))
     assert model.blocks[0].attn.algorithm == "mixed" and model.blocks[0].attn.spec.local == "none"
+
+
+def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotated():
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4, local_window=4,
+                 global_heads=1, map_kwargs={"num_features": 12})  # fmt: skip
+    model = TransformerLM(TransformerConfig(attention="soft_hash_far", global_rope=False, **small))
+    for block in model.blocks:
+        assert block.attn.rotary is None and block.local_attn.rotary is not None
+    with_rope = TransformerLM(TransformerConfig(attention="soft_hash_far", **small))
+    assert all(b.attn.rotary is not None for b in with_rope.blocks)  # default: as the model
+    idx = torch.randint(0, V, (2, 11))
+    logits, _ = model(idx)
+    caches = model.new_caches()  # decoding without RoPE on the global branch
+    steps = [model(idx[:, :5], caches=caches)[0]]
+    steps += [model(idx[:, t : t + 1], caches=caches)[0] for t in range(5, 11)]
+    torch.testing.assert_close(torch.cat(steps, 1), logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="local_window"):
+        TransformerConfig(attention="psf_random", global_rope=False).validate()
+    with pytest.raises(ValueError, match="rope=False"):
+        TransformerConfig(attention="soft_hash_far", global_rope=True, rope=False,
+                          **small).validate()  # fmt: skip
+    with pytest.raises(TypeError, match="global_rope"):
+        TransformerConfig(attention="soft_hash_far", global_rope="no", **small).validate()

@@ -149,6 +149,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--local-window branch; the others are the window alone (default: every layer)",
     )  # fmt: skip
 
+    model.add_argument(
+        "--no-global-rope", action="store_true",
+        help="no RoPE on the q/k of the attention beside the --local-window branch (content "
+        "only; the window keeps RoPE; default: the model preset's, else as the model)",
+    )  # fmt: skip
+
     opt = _Recorded(p.add_argument_group("optimization"))
     opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
     opt.add_argument("--batch-size", type=int, default=tdef.batch_size, help="global batch")
@@ -235,6 +241,7 @@ def _configs_from_args(args):
         local_shared=args.local_shared,
         global_heads=args.global_heads,
         global_every=args.global_every,
+        global_rope=False if args.no_global_rope else None,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()
@@ -300,7 +307,7 @@ def _warn_ignored(args, state: dict) -> None:
     """One warning line per option given with --resume that the checkpoint's config overrides."""
     configs = {**state.get("train_config", {}), **state.get("model_config", {})}
     configs["rope"] = state.get("model_config", {}).get("rope")
-    aliases = {"no_rope": "rope", "map_kw": "map_kwargs"}
+    aliases = {"no_rope": "rope", "no_global_rope": "global_rope", "map_kw": "map_kwargs"}
     for dest, flag in (args.given or {}).items():
         if dest in RESUME_FLAGS:
             continue

@@ -66,6 +66,7 @@ class TransformerConfig:
     local_shared: bool | None = None  # that branch uses the attention's projections (Block)
     global_heads: int | None = None  # heads of the attention beside that branch (Block)
     global_every: int | None = None  # only every k-th layer has the global branch (Block)
+    global_rope: bool | None = None  # RoPE on the global branch's q/k beside a window (Block)
 
     def branches(self) -> tuple[str, int | None]:
         """(the attention of every layer, the window of the sliding-window branch beside it
@@ -93,6 +94,16 @@ class TransformerConfig:
         if heads is None:
             heads = (MODEL_PRESETS.get(self.attention) or {}).get("global_heads")
         return self.n_head if heads is None else heads
+
+    def global_branch_rope(self) -> bool:
+        """Whether the attention beside a ``local_window`` branch rotates its q/k (RoPE):
+        ``global_rope``, else the model preset's, else ``rope`` (see Block). Without a window
+        branch every attention follows ``rope``."""
+        if self.branches()[1] is None:
+            return self.rope
+        if self.global_rope is not None:
+            return self.global_rope
+        return bool((MODEL_PRESETS.get(self.attention) or {}).get("global_rope", self.rope))
 
     def has_global(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` runs the configured attention: every layer, or with
@@ -138,6 +149,16 @@ class TransformerConfig:
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.global_rope is not None:
+            if not isinstance(self.global_rope, bool):
+                raise TypeError(
+                    f"global_rope must be a bool or None, got {type(self.global_rope).__name__}"
+                )
+            if self.branches()[1] is None:
+                raise ValueError("global_rope sets RoPE of the attention beside a sliding-window "
+                                 "branch: it needs local_window (else use rope)")  # fmt: skip
+            if self.global_rope and not self.rope:
+                raise ValueError("global_rope=True with rope=False: RoPE is off in the model")
         if self.local_shared is not None and not isinstance(self.local_shared, bool):
             raise TypeError(
                 f"local_shared must be a bool or None, got {type(self.local_shared).__name__}"
@@ -225,6 +246,11 @@ class Block(nn.Module):
     ``soft_hash_local`` reads far context through one such head per layer, its feature map
     and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
 
+    With ``config.global_rope = False`` (beside a window; the model preset ``soft_hash_local``
+    sets it) the global branch's q and k are not rotated: its feature map sees content only,
+    so a key and a query 1024 tokens apart land in the same buckets when their content
+    matches, while the window keeps RoPE for order within its span.
+
     With ``config.global_every = k`` (beside a window) only layers k-1, 2k-1, ... have the
     global branch; the others are the window branch alone (``attn`` is then the
     ``sliding_window`` attention and ``local_attn`` is None), as hybrid models interleave a
@@ -248,7 +274,9 @@ class Block(nn.Module):
             self.attn = KernelAttention(config.n_embd, config.n_head, attention="sliding_window",
                                         window=config.branches()[1], **layer)  # fmt: skip
         else:
-            self.attn = self._global_attention(config, attention, layer)
+            self.attn = self._global_attention(
+                config, attention, {**layer, "rope": config.global_branch_rope()}
+            )
         if local_window is not None:
             shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
             self.local_attn = KernelAttention(
