@@ -472,22 +472,3 @@ def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotat
                           **small).validate()  # fmt: skip
     with pytest.raises(TypeError, match="global_rope"):
         TransformerConfig(attention="soft_hash_far", global_rope="no", **small).validate()
-
-
-def test_a_model_presets_head_values_give_the_global_heads_values_of_the_head_dim(monkeypatch):
-    from polysketch.nn import presets
-
-    entry = {"attention": "soft_hash_1k", "local_window": 4, "global_heads": 1,
-             "head_values": True}  # fmt: skip
-    monkeypatch.setitem(presets.MODEL_PRESETS, "test_head_values", entry)
-    small = dict(vocab_size=V, n_layer=1, n_head=2, n_embd=16, chunk_size=4,
-                 map_kwargs={"num_features": 12})  # fmt: skip
-    cfg = TransformerConfig(attention="test_head_values", **small)
-    assert cfg.attention_value_dim() == 8  # n_embd / n_head, not n_embd / global_heads
-    assert TransformerLM(cfg).blocks[0].attn.value_dim == 8
-    own = TransformerConfig(attention="test_head_values", value_dim=4, **small)
-    assert TransformerLM(own).blocks[0].attn.value_dim == 4  # the user's win
-    plain = TransformerConfig(attention="soft_hash_1k", local_window=4, global_heads=1, **small)
-    assert (
-        plain.attention_value_dim() is None and TransformerLM(plain).blocks[0].attn.value_dim == 16
-    )

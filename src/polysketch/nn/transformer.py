@@ -105,16 +105,6 @@ class TransformerConfig:
             return self.global_rope
         return bool((MODEL_PRESETS.get(self.attention) or {}).get("global_rope", self.rope))
 
-    def attention_value_dim(self) -> int | None:
-        """Per-head value size of every layer's attention: ``value_dim``, else the model's
-        head dim n_embd / n_head when the model preset sets ``head_values``, else None (the
-        attention's default, n_embd / its heads; see Block)."""
-        if self.value_dim is not None:
-            return self.value_dim
-        if (MODEL_PRESETS.get(self.attention) or {}).get("head_values", False):
-            return self.n_embd // self.n_head
-        return None
-
     def has_global(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` runs the configured attention: every layer, or with
         ``global_every = k`` (beside a sliding-window branch) layers k-1, 2k-1, ... only, the
@@ -309,7 +299,7 @@ class Block(nn.Module):
             heads,
             attention=attention,
             qk_dim=qk_dim,
-            value_dim=config.attention_value_dim(),
+            value_dim=config.value_dim,
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
             mixed=config.mixed,
