@@ -48,7 +48,13 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   b×b×F in-block products (about half its cost at F ≫ E). Meant beside an exact window of at
   least ``chunk_size`` keys, which sees the rest (``TransformerConfig`` refuses it without
   one, ``convert`` refuses it); its first block's outputs are 0. Decode state per head F·(E +
-  1) at block boundaries, + (t mod b)·(D + E + F) between them (``MixedCache``).
+  1) at block boundaries, + (t mod b)·(D + E) between them (the current block's raw keys and
+  values, featurized when it completes). Long context (one head beside a 64-token window,
+  values of 64, 2 × 128 model, ``docs/results/long_context/soft_hash_local/``, 2026-11-25
+  morning): 1.00 / 0.70 / 0.54× exact degree 4's weight on a match among 4k keys at init
+  (query = key / cosine 0.9 / 0.7); trains at 0.81–0.85× ``psf_random``'s tokens/s (4 × 256,
+  T = 2048), 2.00× its state at block boundaries; learned the 1024-back copy on seed 2 (0.96×
+  softmax's drop at 400 steps) but not on seeds 0 and 1, so it is not the recommended preset.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
