@@ -54,7 +54,8 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   morning): 1.00 / 0.70 / 0.54× exact degree 4's weight on a match among 4k keys at init
   (query = key / cosine 0.9 / 0.7); trains at 0.81–0.85× ``psf_random``'s tokens/s (4 × 256,
   T = 2048), 2.00× its state at block boundaries; learned the 1024-back copy on seed 2 (0.96×
-  softmax's drop at 400 steps) but not on seeds 0 and 1, so it is not the recommended preset.
+  softmax's drop at 400 steps), late on seed 1 (0.41× at 400, 0.96× at 600) and not on seed
+  0 (none by 600), so it is not the recommended preset.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
