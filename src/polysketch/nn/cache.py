@@ -192,7 +192,7 @@ class MixedCache(_Cache):
         step = self._step_function(kw)
         if self.rows is None and keep is None:
             if self._far():
-                return self._far_steps(q, k, v, phi_q, kw)
+                return self._far_steps(q, k, v, phi_q, step)
             if q.shape[-2] == 1 and self.batch.length > 0:  # one token: no re-validation
                 out, self.batch = mixed_attention_token(q, k, v, phi_q, phi_k, self.batch,
                                                         scale=1.0, **kw)  # fmt: skip
@@ -232,9 +232,9 @@ class MixedCache(_Cache):
                    key_features=self.key_features)  # fmt: skip
         return lambda q, k, v, phi_q, phi_k, st: far_attention_token(phi_q, k, v, st, **far)
 
-    def _far_steps(self, q, k, v, phi_q, kw) -> torch.Tensor:
-        """Every row in step (one block grid): the new tokens one at a time."""
-        step, outs = self._step_function(kw), []
+    def _far_steps(self, q, k, v, phi_q, step) -> torch.Tensor:
+        """Every row in step (one block grid): the new tokens one at a time by ``step``."""
+        outs = []
         for i in range(q.shape[-2]):
             one = [x[..., i : i + 1, :] for x in (q, k, v, phi_q)]
             out, self.batch = step(*one, None, self.batch)

@@ -50,6 +50,13 @@ class MixedAttentionState:
     length: int = 0
 
 
+def _read_summary(phi_q, summary, square, acc):
+    """Ψq(φq)·[N Z] (..., n, E+1) in the compute dtype ``acc``: the completed blocks' read."""
+    fq = as_dtype(phi_q, acc)
+    fq = PairFeatures.cached(fq.shape[-1], fq).queries(fq) if square else fq
+    return fq @ summary
+
+
 def _fold(summary, phi_k, v, *, square):
     """summary + Σ_j Ψ(φk_j)⊗[v_j 1] in the compute dtype."""
     acc = compute_dtype(phi_k.dtype)
@@ -137,9 +144,7 @@ def mixed_attention_token(q, k, v, phi_q, phi_k, state, *, chunk_size, local, de
     z = (as_dtype(q, acc) @ as_dtype(bk, acc).transpose(-1, -2)) * scale  # (..., 1, n)
     num = _local_kernel(z, local, degree) @ _with_ones(as_dtype(bv, acc))  # (..., 1, E+1)
     if state.summary is not None:
-        fq = as_dtype(phi_q, acc)
-        fq = PairFeatures.cached(fq.shape[-1], fq).queries(fq) if square else fq
-        num = num + fq @ state.summary
+        num = num + _read_summary(phi_q, state.summary, square, acc)
     out = num[..., :-1] / stabilize_denominator(num[..., -1:] + denominator_offset, eps)
     length = state.length + 1
     if bk.shape[-2] == chunk_size:  # the block is complete: fold it
@@ -168,9 +173,7 @@ def far_attention_token(phi_q, k, v, state, *, chunk_size, square, denominator_o
     if state.summary is None:
         out = torch.zeros(*phi_q.shape[:-1], e, dtype=acc, device=phi_q.device)
     else:
-        fq = as_dtype(phi_q, acc)
-        fq = PairFeatures.cached(fq.shape[-1], fq).queries(fq) if square else fq
-        num = fq @ state.summary
+        num = _read_summary(phi_q, state.summary, square, acc)
         out = num[..., :-1] / stabilize_denominator(num[..., -1:] + denominator_offset, eps)
     length = state.length + 1
     if bk.shape[-2] == chunk_size:  # the block is complete: its features, folded
