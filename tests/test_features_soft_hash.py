@@ -166,6 +166,8 @@ def test_seeded_draw_is_reproducible_and_q_k_start_equal():
         ({"temperature": -1.0}, ValueError, "temperature"),
         ({"shared": 1}, TypeError, "shared"),
         ({"learn_temperature": "yes"}, TypeError, "learn_temperature"),
+        ({"linear_weight": -0.1}, ValueError, "linear_weight"),
+        ({"linear_weight": float("nan")}, ValueError, "linear_weight"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, exc, match):
@@ -173,8 +175,9 @@ def test_bad_arguments_name_themselves(kwargs, exc, match):
         features.create("soft_hash", D, **kwargs)
 
 
-def test_linear_attention_with_the_map_equals_the_naive_reference():
-    fm = _randomized(3)
+@pytest.mark.parametrize("kwargs", [{}, {"linear_weight": 0.3}])
+def test_linear_attention_with_the_map_equals_the_naive_reference(kwargs):
+    fm = _randomized(3, **kwargs)
     g = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, 2, 37, D, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 2, 37, 5, generator=g, dtype=torch.float64)
@@ -269,3 +272,46 @@ def test_product_bucket_scores_are_the_product_of_collision_probabilities():
 def test_product_bucket_arguments_name_themselves(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         features.create("soft_hash", D, **kwargs)
+
+
+@pytest.mark.parametrize("factors,f,scale", [(1, 6, 1.0), (2, 9, 1.5)])
+def test_linear_weight_appends_sqrt_half_alpha_one_and_unit_x(factors, f, scale):
+    """Eq. 5: φ = c·[buckets, √(α/2)(1, x/‖x‖)], s = c²(s_hash + α(1 + cos)/2), written out."""
+    alpha = 0.4
+    plain = _randomized(6, num_features=f, factors=factors, output_scale=scale)
+    fm = _randomized(6, num_features=f, factors=factors, output_scale=scale, linear_weight=alpha)
+    assert fm.feature_dim == fm.state_dim == f + D + 1 and plain.feature_dim == f
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, D, generator=g, dtype=torch.float64) * 2
+    y = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
+    for feats, base in ((fm.query(x), plain.query(x)), (fm.key(x), plain.key(x))):
+        assert torch.equal(feats[:, :f], base)
+        c = scale * math.sqrt(alpha / 2)
+        assert torch.allclose(feats[:, f], torch.full((5,), c, dtype=x.dtype))
+        assert torch.allclose(feats[:, f + 1 :], c * x / x.norm(dim=-1, keepdim=True))
+    cos = (x @ y.T) / (x.norm(dim=-1)[:, None] * y.norm(dim=-1)[None])
+    expected = plain.target_kernel(x, y) + scale**2 * alpha * (1 + cos) / 2
+    assert torch.allclose(fm.target_kernel(x, y), expected, rtol=1e-12)
+    assert torch.allclose(fm.approx_kernel(x, y), expected, rtol=1e-12)
+    assert (fm.target_kernel(x, -x) >= 0).all()  # cos = -1 still scores >= 0
+
+
+def test_linear_weight_pulls_a_query_towards_a_key_no_bucket_shares():
+    """The reason for Eq. 5: at a sharp τ, ∂s_hash/∂q vanishes for an unrelated key, while the
+    linear term's gradient is (α/2)(k̂ − cos·q̂)/‖q‖, which raises cos(q, k)."""
+    alpha, g = 0.01, torch.Generator().manual_seed(8)
+    kw = {"num_features": 64, "temperature": 40.0, "unit_directions": True}
+    sharp = SoftHashFeatureMap(D, **kw, seed=0).double()
+    mixed = SoftHashFeatureMap(D, **kw, linear_weight=alpha, seed=0).double()
+    q = torch.randn(D, generator=g, dtype=torch.float64) * math.sqrt(D) / 3
+    k = -q + 0.1 * torch.randn(D, generator=g, dtype=torch.float64)  # far from q's buckets
+    grads = []
+    for fm in (sharp, mixed):
+        qq = q.clone().requires_grad_(True)
+        (s,) = (fm.query(qq[None]) @ fm.key(k[None]).T).flatten()
+        grads.append(torch.autograd.grad(s, qq)[0])
+    assert grads[0].norm() < 1e-12  # the hash alone passes nothing
+    qn, kn = q.norm(), k / k.norm()
+    cos = (q / qn) @ kn
+    assert torch.allclose(grads[1], alpha / 2 * (kn - cos * q / qn) / qn, rtol=1e-8, atol=1e-14)
+    assert grads[1] @ (kn - cos * q / qn) > 0  # a step along it raises cos(q, k)

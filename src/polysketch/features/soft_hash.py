@@ -58,7 +58,23 @@ the 400-step copy runs τ stayed within 7.7–9.3 of its start 8. With r = 10 th
 sharpen its buckets once they are useful (a copy run's retrieving layer went from τ = 8 to
 19.6) while starting soft enough to learn (a sharp start, τ = 16–24, learned no copy).
 
-The target kernel is the map's own (2) or (4), computed in log space as
+**A linear term** (``linear_weight = α > 0``): D + 1 more features, the same for queries and
+keys, √(α/2) · (1, x/‖x‖), appended to the buckets', so that the score becomes
+
+    s(q, k) = s_hash(q, k) + α (1 + cos(q, k)) / 2,                                       (5)
+
+still ≥ 0 (cos ≥ −1). Why: a sharp soft hash passes almost no gradient between a query and a
+key that share no bucket. With logits of standard deviation τ (LayerNorm'd x, equal-norm
+directions), φq puts its mass on the few buckets nearest q, where an unrelated key's
+probabilities are about e^{−τ²/2}/F of the largest, so ∂s_hash/∂q carries no pull towards a
+key that is not already near q, and learning to retrieve waits for a chance collision (the
+copy probe's seed 0 learned nothing in 600 steps at F = 1,920, τ = 10). The linear term's
+gradient ∂s/∂q = (α/2) ∂cos(q, k)/∂q points at every key, as softmax's exp(q·k/√D) does near
+init (≈ 1 + q·k/√D). Its cost is retrieval: each unrelated key adds ≈ α/2 to the normalizer
+against the hash's 1/F on average, so α = 0.1/F gives the linear term about 5 % of an
+unrelated key's score (``docs/results/long_context/soft_hash_local/``).
+
+The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
 start from the same draw), ``log_temperature`` (a scalar θ = log τ / r, a buffer when
@@ -119,6 +135,8 @@ class SoftHashFeatureMap(FeatureMap):
             each (Eqs. 3–4), and num_features must be B^m for an integer B ≥ 2.
         learn_temperature: τ is trained (a parameter) or fixed (a buffer).
         shared: one W for queries and keys (a symmetric kernel); default separate W_q, W_k.
+        linear_weight: α ≥ 0; α > 0 appends the D + 1 features √(α/2)·(1, x/‖x‖) (Eq. 5), so
+            the score gains α(1 + cos(q, k))/2 and F grows to F + D + 1.
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
             Normalized linear attention does not depend on it; in mixed attention
             (``mixed=True``) it weighs the far blocks against the exact local ones, and with
@@ -138,6 +156,7 @@ class SoftHashFeatureMap(FeatureMap):
         "output_scale": Hyperparameter(1.0, "c > 0 multiplying the features (scores × c²)"),
         "unit_directions": Hyperparameter(False, "rescale each bucket direction to norm √D"),
         "temperature_rate": Hyperparameter(1.0, "r > 0: τ = exp(r·θ), θ the stored parameter"),
+        "linear_weight": Hyperparameter(0.0, "α >= 0: the score gains α(1 + cos(q, k))/2"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -154,6 +173,7 @@ class SoftHashFeatureMap(FeatureMap):
         output_scale: float = 1.0,
         unit_directions: bool = False,
         temperature_rate: float = 1.0,
+        linear_weight: float = 0.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -182,6 +202,7 @@ class SoftHashFeatureMap(FeatureMap):
         self.temperature_rate = check_float(
             temperature_rate, "temperature_rate", minimum=0.0, strict_minimum=True
         )
+        self.linear_weight = check_float(linear_weight, "linear_weight", minimum=0.0)
         log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
         if learn_temperature:
             self.log_temperature = nn.Parameter(log_t)
@@ -190,7 +211,8 @@ class SoftHashFeatureMap(FeatureMap):
 
     @property
     def feature_dim(self) -> int:
-        return self.num_features
+        """F buckets, plus D + 1 linear features when ``linear_weight`` > 0 (Eq. 5)."""
+        return self.num_features + (self.dim + 1 if self.linear_weight else 0)
 
     @property
     def temperature(self) -> float:
@@ -211,8 +233,17 @@ class SoftHashFeatureMap(FeatureMap):
     def _scaled(self, phi: torch.Tensor) -> torch.Tensor:
         return phi if self.output_scale == 1.0 else phi * self.output_scale
 
+    def linear_features(self, x: torch.Tensor) -> torch.Tensor:
+        """√(α/2) · (1, x/‖x‖) (Eq. 5): (..., D) -> (..., D + 1)."""
+        unit = torch.nn.functional.normalize(x, dim=-1)
+        one = torch.ones_like(unit[..., :1])
+        return torch.cat([one, unit], dim=-1) * math.sqrt(self.linear_weight / 2)
+
     def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        return self._scaled(product_softmax(self._logits(x, key), self.factors))
+        phi = product_softmax(self._logits(x, key), self.factors)
+        if self.linear_weight:
+            phi = torch.cat([phi, self.linear_features(x).to(phi.dtype)], dim=-1)
+        return self._scaled(phi)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self._features(x, False)
@@ -221,8 +252,8 @@ class SoftHashFeatureMap(FeatureMap):
         return self._features(x, True)
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """c² Π_i Σ_f P_i(x → f) P_i(y → f) (Eqs. 2 and 4 × output_scale²), in log space:
-        (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
+        """c² (Π_i Σ_f P_i(x → f) P_i(y → f) + α(1 + cos(x, y))/2) (Eqs. 2, 4 and 5 ×
+        output_scale²), the product in log space: (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
         y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
         lq = self._logits(x, False).unflatten(-1, (self.factors, self.buckets))
@@ -230,7 +261,12 @@ class SoftHashFeatureMap(FeatureMap):
         log_q = lq.log_softmax(-1).unsqueeze(-3)  # (..., Tx, 1, m, B)
         log_k = lk.log_softmax(-1).unsqueeze(-4)  # (..., 1, Ty, m, B)
         log_s = torch.logsumexp(log_q + log_k, dim=-1).sum(-1)  # Σ_i log P(collide in i)
-        return log_s.exp() * self.output_scale**2
+        s = log_s.exp()
+        if self.linear_weight:
+            xu = torch.nn.functional.normalize(x, dim=-1)
+            yu = torch.nn.functional.normalize(y, dim=-1)
+            s = s + self.linear_weight * (1 + xu @ yu.transpose(-1, -2)) / 2
+        return s * self.output_scale**2
 
     def extra_repr(self) -> str:
         return (
@@ -242,4 +278,5 @@ class SoftHashFeatureMap(FeatureMap):
                 if self.temperature_rate != 1
                 else ""
             )
+            + (f", linear_weight={self.linear_weight:g}" if self.linear_weight else "")
         )
