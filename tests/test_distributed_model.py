@@ -49,6 +49,13 @@ CASES = {
         "global_heads": 1,
         "map_kwargs": {"num_features": 8},
     },
+    "soft_hash_far_surrogate": {  # and the training-only surrogate gradient (nn.core)
+        "attention": "soft_hash_far",
+        "local_window": 8,
+        "global_heads": 1,
+        "map_kwargs": {"num_features": 8},
+        "gradient_surrogate": 0.5,
+    },
     "window_packed": {"attention": "sliding_window", "window": 6, "cu": [0, 5, 6, 19, 30, 37]},
     "soft_hash_window_T3": {
         "attention": "soft_hash_1k",
@@ -72,7 +79,7 @@ def _config(c: dict) -> TransformerConfig:
         attention=c["attention"], short_conv=c.get("short_conv", 0), seed=3,
         local_window=c.get("local_window"), window=c.get("window"),
         local_shared=c.get("local_shared"), global_heads=c.get("global_heads"),
-        map_kwargs=c.get("map_kwargs", {}),
+        map_kwargs=c.get("map_kwargs", {}), gradient_surrogate=c.get("gradient_surrogate", 0.0),
     )  # fmt: skip
 
 

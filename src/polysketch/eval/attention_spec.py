@@ -24,7 +24,7 @@ __all__ = ["MODEL_KEYS", "parse_attention", "split_attentions", "config_options"
 MODEL_KEYS = (
     "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
     "learn_balance", "window", "local_window", "local_shared", "global_heads", "global_every",
-    "global_rope",
+    "global_rope", "gradient_surrogate",
 )  # fmt: skip
 """Keys of an attention spec that configure the model rather than the feature map."""
 

@@ -72,6 +72,8 @@ class KernelAttention(AttentionCore):
         mixed: mixed attention with the map ``attention`` (exact local (q·k)^degree blocks +
             the map before them; ``psf_mixed`` is this with the psf_random sketch).
         learn_balance: mixed attention's learned per-head balance β_h (``AttentionCore``).
+        gradient_surrogate: λ of the training-only linear-kernel gradient of attention
+            without in-block scores (``AttentionCore``; exactly 0 in value).
         window: w of ``attention="sliding_window"``.
         projections: own the q/k/v and output projections (and the short convolution).
             ``False``: a branch that attends with another layer's projections
@@ -103,6 +105,7 @@ class KernelAttention(AttentionCore):
         short_conv: int = 0,
         mixed: bool = False,
         learn_balance: bool = False,
+        gradient_surrogate: float = 0.0,
         window: int | None = None,
         projections: bool = True,
         **map_kwargs,
@@ -126,7 +129,8 @@ class KernelAttention(AttentionCore):
             attention, qk_dim=qk_dim, num_heads=num_heads, value_dim=value_dim, causal=causal,
             chunk_size=chunk_size, qk_norm=qk_norm, denominator_offset=denominator_offset,
             seed=seed, layer_index=layer_index, checkpoint=checkpoint, mixed=mixed,
-            learn_balance=learn_balance, window=window, **map_kwargs,
+            learn_balance=learn_balance, gradient_surrogate=gradient_surrogate, window=window,
+            **map_kwargs,
         )  # fmt: skip
         self.embed_dim, self.head_dim, self.short_conv = embed_dim, head_dim, short_conv
         e, h = self.embed_dim, self.num_heads

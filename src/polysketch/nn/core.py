@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import as_dtype, check_int, check_positive_int
+from .._checks import as_dtype, check_float, check_int, check_positive_int
 from ..features import get_class
 from ..features.stability import attention_features
 from ..ops import (
@@ -86,6 +86,14 @@ class AttentionCore(nn.Module):
         learn_balance: mixed only; a trainable β_h per head (module docstring), initialised
             so that the layer starts as without it: the map's ``output_scale`` c (psf_mixed:
             1/√r) moves into β = log(c²) (plain maps) or log(c⁴) (square maps).
+        gradient_surrogate: λ ≥ 0 (mixed attention without in-block scores, ``local="none"``,
+            only): in training, add λ·(o_lin − sg(o_lin)) to the output, o_lin the same
+            attention with the linear kernel 1 + cos(q, k) (features (1, q/‖q‖), values
+            detached; ``_gradient_surrogate``). Its value is exactly 0, so the layer computes
+            what it computes without it, and decoding, the state and every output are
+            unchanged; its gradient reaches q and k from every earlier key, as softmax's does
+            near init (≈ 1 + q·k/√D), where a sharp map passes none between a query and a key
+            that share no bucket. 0 = off.
         window: ``sliding_window``'s w.
         softmax_scale: the scale of softmax scores and of maps targeting exp(scale·q·k)
             (None: 1/√D); the transformers adapter passes the model's ``scaling``.
@@ -108,6 +116,7 @@ class AttentionCore(nn.Module):
         checkpoint: bool = False,
         mixed: bool = False,
         learn_balance: bool = False,
+        gradient_surrogate: float = 0.0,
         window: int | None = None,
         softmax_scale: float | None = None,
         **map_kwargs,
@@ -143,6 +152,13 @@ class AttentionCore(nn.Module):
             raise ValueError(
                 "learn_balance=True needs mixed attention (mixed=True or psf_mixed): it weighs "
                 f"the far blocks against the exact local blocks; attention={attention!r} has none"
+            )
+        self.gradient_surrogate = check_float(gradient_surrogate, "gradient_surrogate", minimum=0.0)
+        if self.gradient_surrogate and (spec.algorithm != "mixed" or spec.local != "none"):
+            raise ValueError(
+                f"gradient_surrogate needs mixed attention without in-block scores (local='none', "
+                f"e.g. soft_hash_far), got attention={attention!r} ({spec.algorithm}"
+                f"{', local=' + repr(spec.local) if spec.algorithm == 'mixed' else ''})"
             )
         self.spec = spec
         self.attention = spec.name
@@ -365,10 +381,14 @@ class AttentionCore(nn.Module):
             keep = keep.gather(-1, perm)
 
         def run(q, k, v):
+            surrogate = self.gradient_surrogate and torch.is_grad_enabled() and cache is None
+            q_in, k_in, v_in = q, k, v
             phi_q, k, phi_k, v = features(q, k, v, keep)
             out = mixed_attention(q, k, v, phi_q, phi_k, chunk_size=self.chunk_size,
                                   local=self.spec.local, degree=self.degree, square=fm.square,
                                   denominator_offset=self.denominator_offset)  # fmt: skip
+            if surrogate:
+                out = out + self._gradient_surrogate(q_in, k_in, v_in, keep)
             return out, k, phi_k, v
 
         if cache is None and self.checkpoint and torch.is_grad_enabled():
@@ -379,6 +399,29 @@ class AttentionCore(nn.Module):
             lengths = None if keep is None else keep.sum(-1).tolist()
             cache.prefill(k, phi_k, v, lengths)
         return out if inverse is None else gather_time(out, inverse, dim=-2)
+
+    def surrogate_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """The features (1, x/‖x‖) of the gradient surrogate's kernel 1 + cos(q, k):
+        (B, H, T, D) -> (B, H, T, D + 1) each (``__init__``)."""
+
+        def unit(x):
+            return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
+
+        return unit(q), unit(k)
+
+    def _gradient_surrogate(self, q, k, v, keep) -> torch.Tensor:
+        """λ·(o_lin − sg(o_lin)): 0 in value; the gradient of the same far-block attention with
+        the kernel 1 + cos(q, k), values detached (``__init__``). q, k (B, H, T, D), v (B, H,
+        T, E), keep (B, T) or None -> (B, H, T, E)."""
+        lin_q, lin_k = self.surrogate_features(q, k)
+        v = v.detach()
+        if keep is not None:  # padded keys drop out, as in the attention itself
+            m = keep[:, None, :, None]
+            lin_k, v = (torch.where(m, x, x.new_zeros(())) for x in (lin_k, v))
+        o = mixed_attention(q, k, v, lin_q, lin_k, chunk_size=self.chunk_size, local="none",
+                            degree=self.degree, square=False,
+                            denominator_offset=self.denominator_offset)  # fmt: skip
+        return self.gradient_surrogate * (o - o.detach())
 
     def window_options(self) -> dict:
         """The keywords of ``ops.window_attention`` for this (window) core: kernel, scale,

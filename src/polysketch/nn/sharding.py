@@ -176,10 +176,15 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
         else:  # mixed: no query rescaling, the local scores share the normalizer
             phi_q, phi_k = core._features(q, k, None, normalize=False)
             phi_q = core._global_queries(phi_q)
-            o = cp_mixed_attention(q, k, v, phi_q, phi_k, group=shard.group,
-                                   chunk_size=core.chunk_size, local=core.spec.local,
-                                   degree=core.degree, square=fm.square,
-                                   denominator_offset=core.denominator_offset)  # fmt: skip
+            kw = dict(group=shard.group, chunk_size=core.chunk_size, degree=core.degree,
+                      denominator_offset=core.denominator_offset)  # fmt: skip
+            o = cp_mixed_attention(q, k, v, phi_q, phi_k, local=core.spec.local,
+                                   square=fm.square, **kw)  # fmt: skip
+            if core.gradient_surrogate and torch.is_grad_enabled():  # 0 in value (core)
+                lin_q, lin_k = core.surrogate_features(q, k)
+                o_lin = cp_mixed_attention(q, k, v.detach(), lin_q, lin_k, local="none",
+                                           square=False, **kw)  # fmt: skip
+                o = o + core.gradient_surrogate * (o_lin - o_lin.detach())
     return o.to(out_dtype)
 
 

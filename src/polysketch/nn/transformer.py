@@ -61,6 +61,7 @@ class TransformerConfig:
     qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
     mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
     learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
+    gradient_surrogate: float = 0.0  # local="none": training-only linear-kernel gradient (nn.core)
     window: int | None = None  # attention="sliding_window": keys each query sees
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
     local_shared: bool | None = None  # that branch uses the attention's projections (Block)
@@ -304,6 +305,7 @@ class Block(nn.Module):
             qk_norm=config.qk_norm,
             mixed=config.mixed,
             learn_balance=config.learn_balance,
+            gradient_surrogate=config.gradient_surrogate,
             window=config.window,
             **layer,
             **config.map_options(),
