@@ -66,13 +66,16 @@ keys, √(α/2) · (1, x/‖x‖), appended to the buckets', so that the score b
 still ≥ 0 (cos ≥ −1). Why: a sharp soft hash passes almost no gradient between a query and a
 key that share no bucket. With logits of standard deviation τ (LayerNorm'd x, equal-norm
 directions), φq puts its mass on the few buckets nearest q, where an unrelated key's
-probabilities are about e^{−τ²/2}/F of the largest, so ∂s_hash/∂q carries no pull towards a
-key that is not already near q, and learning to retrieve waits for a chance collision (the
+logits are typical (≈ 0 standard deviations) and its largest ≈ 3.4 (F = 1,920), so its
+probabilities there are about e^{−3.4τ} of its largest, and ∂s_hash/∂q carries no pull towards a
+key that is not already near q; learning to retrieve waits for a chance collision (the
 copy probe's seed 0 learned nothing in 600 steps at F = 1,920, τ = 10). The linear term's
 gradient ∂s/∂q = (α/2) ∂cos(q, k)/∂q points at every key, as softmax's exp(q·k/√D) does near
 init (≈ 1 + q·k/√D). Its cost is retrieval: each unrelated key adds ≈ α/2 to the normalizer
 against the hash's 1/F on average, so α = 0.1/F gives the linear term about 5 % of an
-unrelated key's score (``docs/results/long_context/soft_hash_local/``).
+unrelated key's score. Measured there (``docs/results/long_context/soft_hash_local/``,
+2026-11-25): α = 5·10⁻⁵ costs 4–5 % of the weight on a match among 4k keys and started the
+copy within 400 steps in 1 of 3 runs that had none without it; off by default.
 
 The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =

@@ -41,21 +41,25 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   ``psf_random``), and it trains at about 0.3× ``psf_random``'s tokens/s on a CPU. The model
   preset ``soft_hash_local`` runs it with 512 buckets at τ = 8 beside an exact 64-token
   window, which closes the natural-text gap and keeps the copy.
-* ``soft_hash_far`` — ours (issue 21 §2): the ``soft_hash`` map with F = 1920 equal-norm
-  buckets (``unit_directions``) at initial τ = 10, LayerNorm on q and k, normalizer Σ, read
-  for the keys of the blocks of ``chunk_size`` before each query's own only: mixed attention
-  with no in-block scores (``ops.mixed_attention(local="none")``), so the linear part skips the
-  b×b×F in-block products (about half its cost at F ≫ E). Meant beside an exact window of at
-  least ``chunk_size`` keys, which sees the rest (``TransformerConfig`` refuses it without
-  one, ``convert`` refuses it); its first block's outputs are 0. Decode state per head F·(E +
-  1) at block boundaries, + (t mod b)·(D + E) between them (the current block's raw keys and
-  values, featurized when it completes). Long context (one head beside a 64-token window,
-  values of 64, 2 × 128 model, ``docs/results/long_context/soft_hash_local/``, 2026-11-25
-  morning): 1.00 / 0.70 / 0.54× exact degree 4's weight on a match among 4k keys at init
-  (query = key / cosine 0.9 / 0.7); trains at 0.81–0.85× ``psf_random``'s tokens/s (4 × 256,
-  T = 2048), 2.00× its state at block boundaries; learned the 1024-back copy on seed 2 (0.96×
-  softmax's drop at 400 steps), late on seed 1 (0.41× at 400, 0.96× at 600) and not on seed
-  0 (none by 600), so it is not the recommended preset.
+* ``soft_hash_far`` — ours (issue 21 §2): the ``soft_hash`` map with F = 1920 equal-norm buckets
+  (``unit_directions``) at initial τ = 10, LayerNorm on q and k, normalizer Σ, read for the keys
+  of the blocks of ``chunk_size`` before each query's own only: mixed attention with no in-block
+  scores (``ops.mixed_attention(local="none")``), so the linear part skips the b×b×F in-block
+  products (about half its cost at F ≫ E). Meant beside an exact window of at least
+  ``chunk_size`` keys, which sees the rest (``TransformerConfig`` refuses it without one,
+  ``convert`` refuses it); its first block's outputs are 0. Decode state per head F·(E + 1) at
+  block boundaries, + (t mod b)·(D + E) between them (the current block's raw keys and values,
+  featurized when it completes). Long context (one head beside a 64-token window, values of 64,
+  2 × 128 model, ``docs/results/long_context/soft_hash_local/``, 2026-11-25 morning and day):
+  0.98 / 0.67 / 0.51× exact degree 4's weight on a match among 4k keys at init (query = key /
+  cosine 0.9 / 0.7; mean of four draws, 0.47–0.54 at cosine 0.7); trains at 0.81–0.85×
+  ``psf_random``'s tokens/s (4 × 256, T = 2048), 2.00× its state at block boundaries; learned
+  the 1024-back copy on seed 2 (0.96× softmax's drop at 400 steps), late on seed 1 (0.41× at
+  400, 0.96× at 600) and not on seed 0 (none by 600), so it is not the recommended preset;
+  natural text at 2048 0.86–0.91× softmax's loss (seeds 0–2). The soft_hash option
+  ``linear_weight`` and the core's ``gradient_surrogate`` give it a gradient towards keys that
+  share no bucket with a query; each moved the copy's onset (λ = 10: on all three seeds),
+  neither to ≥ 0.5× softmax's drop on every seed at 400 steps (same page).
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
