@@ -58,8 +58,9 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   400, 0.96× at 600) and not on seed 0 (none by 600), so it is not the recommended preset;
   natural text at 2048 0.86–0.91× softmax's loss (seeds 0–2). The soft_hash option
   ``linear_weight`` and the core's ``gradient_surrogate`` give it a gradient towards keys that
-  share no bucket with a query; each moved the copy's onset (λ = 10: on all three seeds),
-  neither to ≥ 0.5× softmax's drop on every seed at 400 steps (same page).
+  share no bucket with a query; each moved the copy's onset earlier (λ = 10: started on all
+  three seeds by 400 steps, ≥ 0.88× softmax's drop on all three by 500), neither to ≥ 0.5× on
+  every seed at 400 steps (same page).
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
