@@ -226,6 +226,18 @@ def test_train_help_lists_options(capsys):
         assert flag in out
 
 
+def test_train_and_generate_with_the_far_preset_and_its_surrogate(tmp_path, capsys):
+    out = tmp_path / "far"
+    assert main(["train", "--attention", "soft_hash_far_local", "--steps", "2", "--out", str(out),
+                 *TINY]) == 0  # fmt: skip
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["model_config"]["attention"] == "soft_hash_far_local"
+    assert state["model_config"]["gradient_surrogate"] is None  # the preset's λ = 10 applies
+    assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "abcdefghijk",
+                 "--max-new-tokens", "3"]) == 0  # fmt: skip
+    capsys.readouterr()
+
+
 def test_train_takes_a_model_preset(tmp_path, capsys):
     out = tmp_path / "local"
     assert main(["train", "--attention", "soft_hash_local", "--steps", "2", "--out", str(out),

@@ -241,6 +241,42 @@ def test_soft_hash_local_model_preset_is_one_soft_hash_512_head_at_temperature_8
         KernelAttention(16, 2, attention="soft_hash_local")
 
 
+def test_soft_hash_far_local_model_preset_is_the_far_head_with_narrow_values_and_surrogate():
+    from polysketch.nn import MODEL_PRESETS, valid_model_attentions
+
+    assert "soft_hash_far_local" in valid_model_attentions()
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=64, chunk_size=4)
+    config = TransformerConfig(attention="soft_hash_far_local", **small)
+    assert MODEL_PRESETS["soft_hash_far_local"]["value_fraction"] == 29 / 32
+    assert config.attention_value_dim() == 29 and config.surrogate_weight() == 10.0
+    assert config.branches() == ("soft_hash_far", 64)
+    # heads of 64, the measured models: values of 58, the spec the runs spelled out
+    wide = TransformerConfig(attention="soft_hash_far_local", n_embd=128, n_head=2)
+    assert wide.attention_value_dim() == 58
+    preset = TransformerLM(config).double()
+    spelled_config = TransformerConfig(attention="soft_hash_far", local_window=64, global_heads=1,
+                                       value_dim=29, gradient_surrogate=10.0, **small)  # fmt: skip
+    spelled = TransformerLM(spelled_config).double()
+    attn = preset.blocks[0].attn
+    assert attn.num_heads == 1 and attn.value_dim == 29 and attn.gradient_surrogate == 10.0
+    assert attn.feature_map.feature_dim == 1920 and preset.blocks[0].local_attn.window == 64
+    for a, b in zip(preset.state_dict().items(), spelled.state_dict().items(), strict=True):
+        assert a[0] == b[0] and torch.equal(a[1], b[1])
+    idx = torch.randint(0, V, (2, 13))
+    out, loss = preset(idx, idx)
+    torch.testing.assert_close(out, spelled(idx)[0], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(loss, [preset.blocks[0].attn.qkv.weight])
+    plain = TransformerLM(TransformerConfig(attention="soft_hash_far_local",
+                                            gradient_surrogate=0.0, **small)).double()  # fmt: skip
+    (plain_grad,) = torch.autograd.grad(plain(idx, idx)[1], [plain.blocks[0].attn.qkv.weight])
+    assert not torch.allclose(grad, plain_grad)  # the surrogate reaches the q/k projection
+    user = TransformerConfig(attention="soft_hash_far_local", value_dim=16,
+                             gradient_surrogate=0.0, **small)  # fmt: skip
+    assert user.attention_value_dim() == 16 and user.surrogate_weight() == 0.0  # the user's win
+    with pytest.raises(ValueError, match="gradient_surrogate"):
+        TransformerConfig(attention="soft_hash_far_local", gradient_surrogate=-1.0).validate()
+
+
 def test_local_window_caches_select_rows_in_both_branches():
     model = _model("psf_random", local_window=3).double()
     idx = torch.randint(0, V, (2, 9))

@@ -92,6 +92,22 @@ single ``KernelAttention``): an attention preset plus a model option.
   forms that learned no copy in 400 steps: 23 × 23 product buckets (``factors=2``) with
   ``local_shared=True`` (``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4
   (the first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state.
+* ``soft_hash_far_local`` — ours, the retrieval preset (issue 21 §2): one ``soft_hash_far`` head
+  per layer (F = 1920 equal-norm buckets at initial τ = 10, read for the completed blocks only)
+  with values of ⌊29/32 · head dim⌋ (``value_fraction``; 58 for heads of 64) beside the same
+  exact 64-token window branch as ``soft_hash_local``, trained with ``gradient_surrogate=10``
+  (a training-only gradient, exactly 0 in value, through which a query's gradient reaches keys
+  that share no bucket with it; ``nn.core``). Decode state per layer: 1920·(E + 1) at block
+  boundaries + (t mod b)·(D + E) between them + the window's H·64·(D + E): at its largest
+  1.94× ``psf_random``'s at n_head = 2 (heads of 32, 64 or 128), 1.09× at 4 and 0.66× at 8,
+  but 3.7× in a one-head model (``decode_state_size``). Long context (2 × 128 model, context 2048,
+  ``docs/results/long_context/soft_hash_local/``, 2026-11-25 and 26): weight on a match among
+  4k isotropic keys 0.98 / 0.67 / 0.51× exact degree 4's at init (query = key / cosine 0.9 /
+  0.7; mean of four draws) and 0.88–0.97 / 0.61–0.67 / 0.46–0.55× in trained models; copy
+  from 1024 back at 500 steps 0.89 / 0.88 / 0.98× the largest drop possible on seeds 0 / 1 / 2
+  (the branch switched off leaves none) but **none by 700 steps on seed 3**; natural text
+  0.84–0.94× softmax's loss of the same size (1.00–1.08× the parameter-matched 2 × 192);
+  trains at 0.82–0.96× ``psf_random``'s tokens/s (4 × 256, T = 2048, three runs).
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
@@ -269,11 +285,29 @@ MODEL_PRESETS: dict[str, dict] = {
         "local_window": 64,
         "global_heads": 1,
     },
+    "soft_hash_far_local": {
+        "description": (
+            "long context with retrieval: one head of soft_hash_far per layer (F = 1920 "
+            "equal-norm buckets at initial temperature 10, reading the completed blocks "
+            "only; values of 29/32 the head dim) beside an exact sliding-window softmax "
+            "branch over the last 64 tokens, trained with the surrogate gradient at λ = 10 "
+            "(exactly 0 in value); retrieves like exact degree 4 at init, decode state "
+            "≤ 2× psf_random's; learned a copy from 1024 tokens back on 3 of 4 seeds"
+        ),
+        "attention": "soft_hash_far",
+        "local_window": 64,
+        "global_heads": 1,
+        "value_fraction": 29 / 32,
+        "gradient_surrogate": 10.0,
+    },
 }
 """Model preset name -> {"description", "attention": the attention preset of every layer,
 "map_kwargs": its feature-map keywords (optional; ``TransformerConfig.map_kwargs`` override
 them), "local_window": the window of the branch beside it, "global_heads": the attention's
-heads (optional; default n_head)} (``TransformerConfig``)."""
+heads (optional; default n_head), "value_fraction": the attention's per-head values as a
+fraction of the model's head dim n_embd / n_head, rounded down (optional; default n_embd /
+heads), "gradient_surrogate": λ of its training-only surrogate gradient (optional; default 0)}
+(``TransformerConfig``; each of its fields of the same name, where set, wins)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ each row generates what it generates alone (``polysketch.nn.padding``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +62,7 @@ class TransformerConfig:
     qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
     mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
     learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
-    gradient_surrogate: float = 0.0  # local="none": training-only linear-kernel gradient (nn.core)
+    gradient_surrogate: float | None = None  # local="none": training-only gradient (nn.core)
     window: int | None = None  # attention="sliding_window": keys each query sees
     local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
     local_shared: bool | None = None  # that branch uses the attention's projections (Block)
@@ -111,6 +112,24 @@ class TransformerConfig:
         ``global_every = k`` (beside a sliding-window branch) layers k-1, 2k-1, ... only, the
         others being the window alone (see Block)."""
         return self.global_every is None or (layer_index + 1) % self.global_every == 0
+
+    def attention_value_dim(self) -> int | None:
+        """Per-head value size of every layer's attention: ``value_dim``, else a model preset's
+        ``value_fraction`` × the model's head dim (n_embd / n_head, rounded down), else None
+        (the attention's default: n_embd / its heads)."""
+        if self.value_dim is not None:
+            return self.value_dim
+        fraction = (MODEL_PRESETS.get(self.attention) or {}).get("value_fraction")
+        if fraction is None:
+            return None
+        return max(1, math.floor(fraction * (self.n_embd // self.n_head)))
+
+    def surrogate_weight(self) -> float:
+        """λ of the attention's training-only surrogate gradient: ``gradient_surrogate``,
+        else a model preset's, else 0 (off)."""
+        if self.gradient_surrogate is not None:
+            return self.gradient_surrogate
+        return float((MODEL_PRESETS.get(self.attention) or {}).get("gradient_surrogate", 0.0))
 
     def map_options(self) -> dict:
         """The feature-map keywords of every layer's attention: a model preset's
@@ -186,12 +205,14 @@ class TransformerConfig:
             raise ValueError(
                 f"attention={attention!r} reads only the blocks of chunk_size={self.chunk_size} "
                 f"before each query's own: it needs an exact window of >= chunk_size keys beside "
-                f"it, got local_window={window} (use the model preset soft_hash_local)"
+                f"it, got local_window={window} (use the model preset soft_hash_far_local)"
             )
         heads = self.attention_heads()
         if self.n_embd % heads:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")
-        if self.shares_projections() and self.value_dim is not None:
+        if self.gradient_surrogate is not None:
+            check_float(self.gradient_surrogate, "gradient_surrogate", minimum=0.0)
+        if self.shares_projections() and self.attention_value_dim() is not None:
             raise ValueError("local_shared=True shares one q/k/v projection between the "
                              "branches: value_dim must stay None (the heads' width)")  # fmt: skip
         if self.shares_projections() and heads != self.n_head:
@@ -242,7 +263,8 @@ class Block(nn.Module):
 
     With ``config.global_heads = g`` (beside a window) the global branch has g heads, each
     with q/k of ``qk_dim`` (default the model's head dim n_embd / n_head, so its feature map
-    keeps its input size) and values of n_embd / g (or ``config.value_dim``), while the window
+    keeps its input size) and values of n_embd / g (or ``config.attention_value_dim()``: the
+    ``value_dim`` field, else a model preset's fraction of the head dim), while the window
     keeps n_head heads:
     ``soft_hash_local`` reads far context through one such head per layer, its feature map
     and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
@@ -300,12 +322,12 @@ class Block(nn.Module):
             heads,
             attention=attention,
             qk_dim=qk_dim,
-            value_dim=config.value_dim,
+            value_dim=config.attention_value_dim(),
             short_conv=config.short_conv,
             qk_norm=config.qk_norm,
             mixed=config.mixed,
             learn_balance=config.learn_balance,
-            gradient_surrogate=config.gradient_surrogate,
+            gradient_surrogate=config.surrogate_weight(),
             window=config.window,
             **layer,
             **config.map_options(),
