@@ -60,7 +60,8 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
   ``linear_weight`` and the core's ``gradient_surrogate`` give it a gradient towards keys that
   share no bucket with a query; each moved the copy's onset earlier (λ = 10: started on all
   three seeds by 400 steps, ≥ 0.88× softmax's drop on all three by 500), neither to ≥ 0.5× on
-  every seed at 400 steps (same page).
+  every seed at 400 steps (same page). The model preset ``soft_hash_far_local`` runs it beside
+  the window with the surrogate.
 * ``softmax`` — exact softmax attention, scale 1/√D (SDPA), no q/k norm.
 * ``sliding_window`` — exact attention over the last ``window`` keys only (the local-only
   control of mixed attention): softmax with scale 1/√D and no q/k norm by default, or
@@ -72,26 +73,26 @@ Presets (``PRESETS``; paper: ``shared/papers/polysketchformer.md``):
 single ``KernelAttention``): an attention preset plus a model option.
 
 * ``soft_hash_local`` — ours, the long-context preset (issue 21 §2): one head of the
-  ``soft_hash_1k`` map per layer (``global_heads=1``: q/k of the model's head dim, values of
-  the full width) with F = 512 buckets and initial temperature τ = 8 (``map_kwargs``) as the
-  global attention, with an exact sliding-window softmax branch of ``n_head`` heads over the
-  last 64 tokens beside it in every layer (``TransformerConfig.local_window=64``: its own
-  projections and normalizer, outputs summed; BASED's local + global design). The window
-  models the next byte from its neighbours, the soft-hash head reads far context with a
-  normalizer of its own. Decode state per layer: 512·(n_embd + 1) + H·64·(D + E) floats
-  (1.17× ``psf_random``'s at D = E = 64, H = 2). Long context (2 × 128 model, context 2048,
-  seeds 0–2, ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back
-  through its soft_hash head (drop at 400 steps 0.59× / 0.52× / 0.52× softmax's; the branch
-  switched off leaves none); natural-text loss 0.86–0.95× that of softmax of the same size
-  after 300 steps; 0.057 of the weight on an exact match among 4k keys at init (exact degree
-  4: 0.25); trains at 0.89–1.00× ``psf_random``'s tokens/s on a CPU (4 × 256, T = 2048). Its
-  two-head version (``global_heads=n_head``, the preset until 2026-11-24 evening) copied at
-  0.83× / 0.60× / 0.83× at 0.55–0.72× the speed. Evaluated at 32k after training at 2048,
-  its loss on [16k, 32k) is −0.06 to +0.15 nats/byte from its first bucket's (softmax's
-  rises by 0.33–0.56). Faster
-  forms that learned no copy in 400 steps: 23 × 23 product buckets (``factors=2``) with
-  ``local_shared=True`` (``docs/results/long_context/screens/`` 31–36). F = 1024 at τ = 4
-  (the first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s state.
+  ``soft_hash_1k`` map per layer (``global_heads=1``: q/k of the model's head dim, values of the
+  full width) with F = 512 buckets and initial temperature τ = 8 (``map_kwargs``) as the global
+  attention, with an exact sliding-window softmax branch of ``n_head`` heads over the last 64 tokens
+  beside it in every layer (``TransformerConfig.local_window=64``: its own projections and
+  normalizer, outputs summed; BASED's local + global design). The window models the next byte from
+  its neighbours, the soft-hash head reads far context with a normalizer of its own. Decode state
+  per layer: 512·(n_embd + 1) + H·64·(D + E) floats (1.17× ``psf_random``'s at D = E = 64, H = 2).
+  Long context (2 × 128 model, context 2048, seeds 0–2,
+  ``docs/results/long_context/soft_hash_local/``): learns the copy from 1024 back through its
+  soft_hash head (drop at 400 steps 0.59× / 0.52× / 0.52× softmax's; the branch switched off leaves
+  none; none on a fourth seed, 3, where softmax copies at 300 steps); natural-text loss 0.86–0.95×
+  that of softmax of the same size after 300 steps; 0.057 of the weight on an exact match among 4k
+  keys at init (exact degree 4: 0.25); trains at 0.89–1.00× ``psf_random``'s tokens/s on a CPU (4 ×
+  256, T = 2048). Its two-head version (``global_heads=n_head``, the preset until 2026-11-24
+  evening) copied at 0.83× / 0.60× / 0.83× at 0.55–0.72× the speed. Evaluated at 32k after training
+  at 2048, its loss on [16k, 32k) is −0.06 to +0.15 nats/byte from its first bucket's (softmax's
+  rises by 0.33–0.56). Faster forms that learned no copy in 400 steps: 23 × 23 product buckets
+  (``factors=2``) with ``local_shared=True`` (``docs/results/long_context/screens/`` 31–36). F =
+  1024 at τ = 4 (the first version) copied at 0.98× / 0.33× / 0.90× with 2.1× ``psf_random``'s
+  state.
 * ``soft_hash_far_local`` — ours, the retrieval preset (issue 21 §2): one ``soft_hash_far`` head
   per layer (F = 1920 equal-norm buckets at initial τ = 10, read for the completed blocks only)
   with values of ⌊29/32 · head dim⌋ (``value_fraction``; 58 for heads of 64) beside the same
