@@ -292,8 +292,9 @@ MODEL_PRESETS: dict[str, dict] = {
             "equal-norm buckets at initial temperature 10, reading the completed blocks "
             "only; values of 29/32 the head dim) beside an exact sliding-window softmax "
             "branch over the last 64 tokens, trained with the surrogate gradient at λ = 10 "
-            "(exactly 0 in value); retrieves like exact degree 4 at init, decode state "
-            "≤ 2× psf_random's; learned a copy from 1024 tokens back on 3 of 4 seeds"
+            "(exactly 0 in value); at init ≥ 0.5× exact degree 4's weight on a match among 4k "
+            "keys, decode state ≤ 2× psf_random's with ≥ 2 heads; learned a copy from 1024 "
+            "tokens back on 3 of 4 seeds"
         ),
         "attention": "soft_hash_far",
         "local_window": 64,
