@@ -8,6 +8,7 @@ import pytest
 from polysketch._checks import parse_key_values
 from polysketch.cli import main
 from polysketch.data.tokenizer import ByteTokenizer
+from polysketch.nn import MODEL_PRESETS
 from polysketch.train import load_checkpoint, load_model
 
 TEXT = "".join(f"To be, or not to be: that is question {i}.\n" for i in range(60))
@@ -232,7 +233,8 @@ def test_train_and_generate_with_the_far_preset_and_its_surrogate(tmp_path, caps
                  *TINY]) == 0  # fmt: skip
     state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
     assert state["model_config"]["attention"] == "soft_hash_far_local"
-    assert state["model_config"]["gradient_surrogate"] is None  # the preset's λ = 10 applies
+    preset = MODEL_PRESETS["soft_hash_far_local"]  # its λ, written out (stored_model_config)
+    assert state["model_config"]["gradient_surrogate"] == preset["gradient_surrogate"]
     assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "abcdefghijk",
                  "--max-new-tokens", "3"]) == 0  # fmt: skip
     capsys.readouterr()

@@ -107,6 +107,44 @@ def test_a_run_saved_before_a_config_field_existed_resumes(tmp_path, corpus):
               corpus, progress=False, resume=True)  # fmt: skip
 
 
+def test_a_presets_surrogate_lambda_is_stored_so_a_changed_preset_resumes_the_run(
+    tmp_path, corpus, monkeypatch
+):
+    """A model preset's training-only ``gradient_surrogate`` λ is written out in the
+    checkpoint (``stored_model_config``): when the preset's λ changes later, resuming from the
+    checkpoint's config continues bit-for-bit with the λ the run was trained with, and a
+    config that leaves λ to the (changed) preset is refused; a checkpoint that stored None
+    (written before λ was stored) takes the current preset's."""
+    from polysketch.nn.presets import MODEL_PRESETS
+    from polysketch.train import CheckpointError, save_checkpoint
+
+    mc = tiny_model(attention="soft_hash_far_local", map_kwargs={"num_features": 32})
+    assert mc.gradient_surrogate is None and mc.surrogate_weight() > 0
+    trained_with = mc.surrogate_weight()
+    straight = train(mc, tiny_train(tmp_path / "a"), corpus, progress=False)
+    train(mc, tiny_train(tmp_path / "b"), corpus, progress=False, stop_after=3)
+    path = tmp_path / "b" / "ckpt.pt"
+    saved = load_checkpoint(path, restore_rng=False)["model_config"]
+    assert saved["gradient_surrogate"] == trained_with
+    monkeypatch.setitem(MODEL_PRESETS["soft_hash_far_local"], "gradient_surrogate", 1000.0)
+    with pytest.raises(CheckpointError, match="model_config differs"):
+        train(mc, tiny_train(tmp_path / "b"), corpus, progress=False, resume=True)
+    resumed = train(TransformerConfig(**saved), tiny_train(tmp_path / "b"), corpus,
+                    progress=False, resume=True)  # fmt: skip
+    assert torch.equal(_losses(resumed), _losses(straight))
+    # λ = 1000 would have trained another run: the comparison above can fail
+    other = train(mc, tiny_train(tmp_path / "c"), corpus, progress=False)
+    assert not torch.equal(_losses(other), _losses(straight))
+    # a checkpoint that stored None resumes under the current preset's λ
+    train(mc, tiny_train(tmp_path / "d"), corpus, progress=False, stop_after=3)
+    state = load_checkpoint(tmp_path / "d" / "ckpt.pt", restore_rng=False)
+    state["model_config"]["gradient_surrogate"] = None
+    save_checkpoint(tmp_path / "d" / "ckpt.pt", state)
+    old = train(TransformerConfig(**state["model_config"]), tiny_train(tmp_path / "d"), corpus,
+                progress=False, resume=True)  # fmt: skip
+    assert torch.equal(_losses(old), _losses(other))
+
+
 def test_failing_save_leaves_previous_checkpoint_intact(tmp_path, corpus, monkeypatch):
     out = tmp_path / "run"
     mc = tiny_model()

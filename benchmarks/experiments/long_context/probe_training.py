@@ -31,7 +31,14 @@ from pathlib import Path
 
 from polysketch.eval.attention_spec import parse_attention
 from polysketch.nn import TransformerConfig
-from polysketch.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint, saved_config, train
+from polysketch.train import (
+    CHECKPOINT_NAME,
+    TrainConfig,
+    load_checkpoint,
+    saved_config,
+    stored_model_config,
+    train,
+)
 
 __all__ = [
     "ProbeSettings",
@@ -134,8 +141,8 @@ def _existing(path: Path, mcfg: TransformerConfig, tcfg: TrainConfig) -> tuple[d
     if not path.is_file():
         return None, 0
     state = load_checkpoint(path, restore_rng=False)
-    # a field added to a config since the run was saved takes its default (saved_config)
-    if saved_config(TransformerConfig, state.get("model_config", {})) != asdict(mcfg):
+    # a field added since the run was saved takes its default; a preset's λ is resolved
+    if stored_model_config(state.get("model_config", {})) != stored_model_config(mcfg):
         raise ValueError(
             f"{path} holds another model; use another --runs folder or delete that run"
         )

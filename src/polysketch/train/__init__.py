@@ -7,7 +7,9 @@
 - ``save_checkpoint`` / ``load_checkpoint``: atomic, checksummed checkpoints with RNG states,
   loaded without running code (``CheckpointError`` names a refused or damaged file);
   ``load_model``: the ``TransformerLM`` a ``polysketch train`` checkpoint holds;
-  ``saved_config``: a stored config with the defaults of fields added since it was saved.
+  ``saved_config``: a stored config with the defaults of fields added since it was saved;
+  ``stored_model_config``: the model config a checkpoint stores (a preset's training-only λ
+  written out), for comparing a run with a checkpoint.
 """
 
 from .batches import CorpusBatches, MQARBatches, MQARData
@@ -19,6 +21,7 @@ from .checkpoint import (
     save_checkpoint,
     saved_config,
     set_rng_state,
+    stored_model_config,
 )
 from .config import TrainConfig
 from .distributed import DistContext, rank_slice
@@ -45,4 +48,5 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "saved_config",
+    "stored_model_config",
 ]

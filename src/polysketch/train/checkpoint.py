@@ -349,6 +349,31 @@ def saved_config(config_class, saved: Mapping) -> dict:
     return {**defaults, **saved}
 
 
+def stored_model_config(config) -> dict:
+    """The ``model_config`` a checkpoint stores for the ``TransformerConfig`` ``config``, or a
+    checkpoint's stored ``model_config`` (a mapping) in today's form, so that the two compare
+    equal for the same run.
+
+    That is ``asdict(config)`` with today's defaults for the fields a stored one predates
+    (``saved_config``) and the training-only ``gradient_surrogate`` written out
+    (``surrogate_weight()``: a model preset's λ where the field is None). A preset's weights
+    and shapes are checked when its state dict loads, but its λ only shapes later updates:
+    stored resolved, a resumed run keeps the λ it was trained with when the preset's changes.
+    A stored config written before 2026-11-27 holds None there and takes the current
+    preset's. A mapping with a field this version does not know is returned as
+    ``saved_config`` gives it (it equals no config of today).
+    """
+    from ..nn import TransformerConfig
+
+    if isinstance(config, Mapping):
+        saved = saved_config(TransformerConfig, config)
+        try:
+            config = TransformerConfig(**saved)
+        except TypeError:
+            return saved
+    return {**dataclasses.asdict(config), "gradient_surrogate": config.surrogate_weight()}
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None):
     """``(model, state)``: the ``TransformerLM`` of a ``polysketch train`` checkpoint, in eval
     mode on ``device`` (default: cuda if available, else cpu), and the checkpoint's state.

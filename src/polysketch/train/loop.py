@@ -61,7 +61,7 @@ from .checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
-    saved_config,
+    stored_model_config,
 )
 from .config import TrainConfig
 from .mesh import Layout
@@ -358,8 +358,8 @@ class _Run:
         stretched to ``cfg.steps`` when the run is extended. ``CheckpointError`` when the
         checkpoint does not fit this run."""
         state = load_checkpoint(ckpt_path, map_location=device)
-        saved = saved_config(TransformerConfig, state.get("model_config", {}))
-        if saved != asdict(self.model_config):  # a field added since: its default
+        saved = stored_model_config(state.get("model_config", {}))
+        if saved != stored_model_config(self.model_config):  # a field added since: its default
             raise CheckpointError(
                 f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
                 "model_config (resume takes the checkpoint's)"
@@ -393,7 +393,7 @@ class _Run:
             "scheduler": self.scheduler.state_dict(),
             "data": self.batches.state_dict(),
             "step": self.step,
-            "model_config": asdict(self.model_config),
+            "model_config": stored_model_config(self.model_config),
             "train_config": asdict(self.cfg),
             "history": self.history,
             "metadata": self.metadata,
