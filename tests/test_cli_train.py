@@ -227,6 +227,21 @@ def test_train_help_lists_options(capsys):
         assert flag in out
 
 
+def test_gradient_surrogate_flag_sets_lambda_and_bad_values_are_refused(tmp_path, capsys):
+    out = tmp_path / "far"
+    assert main(["train", "--attention", "soft_hash_far_local", "--gradient-surrogate", "3",
+                 "--steps", "1", "--out", str(out), *TINY]) == 0  # fmt: skip
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["model_config"]["gradient_surrogate"] == 3.0  # the flag wins over the preset
+    capsys.readouterr()
+    for attention, value, message in (("soft_hash_far_local", "-1", "must be >= 0"),
+                                      ("psf_random", "2", "needs mixed attention")):  # fmt: skip
+        code = main(["train", "--attention", attention, "--gradient-surrogate", value,
+                     "--steps", "1", "--out", str(tmp_path / f"bad{value}"), *TINY])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and "error: gradient_surrogate" in err and message in err, err
+
+
 def test_train_and_generate_with_the_far_preset_and_its_surrogate(tmp_path, capsys):
     out = tmp_path / "far"
     assert main(["train", "--attention", "soft_hash_far_local", "--steps", "2", "--out", str(out),

@@ -150,6 +150,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )  # fmt: skip
 
     model.add_argument(
+        "--gradient-surrogate", type=float, default=None, metavar="LAMBDA",
+        help="λ of the training-only surrogate gradient of attention without in-block scores "
+        "(soft_hash_far; exactly 0 in value, see polysketch.nn.core; default: the model "
+        "preset's, else 0)",
+    )  # fmt: skip
+    model.add_argument(
         "--no-global-rope", action="store_true",
         help="no RoPE on the q/k of the attention beside the --local-window branch (content "
         "only; the window keeps RoPE; default: the model preset's, else as the model)",
@@ -242,6 +248,7 @@ def _configs_from_args(args):
         global_heads=args.global_heads,
         global_every=args.global_every,
         global_rope=False if args.no_global_rope else None,
+        gradient_surrogate=args.gradient_surrogate,
         dropout=args.dropout,
         seed=args.seed,
     ).validate()
