@@ -103,6 +103,32 @@ def test_mqar_quick_sweep_writes_csv_and_png(tmp_path, capsys):
         assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["val_loss"]) > 0
 
 
+def test_mqar_plot_labels_of_nearby_points_do_not_overlap(tmp_path, monkeypatch):
+    """Points close in state size and recall get long labels: none prints over another."""
+    from polysketch.eval import mqar_sweep
+
+    boxes = {}
+
+    def record(fig, labels, **kw):
+        real(fig, labels, **kw)
+        renderer = fig.canvas.get_renderer()
+        boxes["all"] = [label.get_window_extent(renderer) for label in labels]
+
+    real = mqar_sweep._unstack
+    monkeypatch.setattr(mqar_sweep, "_unstack", record)
+    rows = [dict(attention=name, lr=1e-3, state_size=size, params=1, val_loss=1.0, accuracy=acc)
+            for name, size, acc in (("soft_hash_far_local:num_features=128", 24436, 0.115),
+                                    ("soft_hash_local:num_features=128", 33536, 0.116),
+                                    ("taylor:qk_dim=16", 36548, 0.077),
+                                    ("softmax", 262144, 0.5))]  # fmt: skip
+    mqar_sweep.plot_sweep(rows, tmp_path / "mqar.png")
+    placed = boxes["all"]
+    assert len(placed) == 4
+    for i, a in enumerate(placed):
+        for b in placed[:i]:
+            assert not a.overlaps(b)
+
+
 def test_mqar_specs_and_learning_rate_sweep(tmp_path, capsys):
     """NAME:key=value specs configure model and map; each spec runs at every --lrs value and
     the table reports its best run."""

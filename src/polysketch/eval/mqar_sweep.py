@@ -23,7 +23,6 @@ q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -365,20 +364,36 @@ def plot_sweep(rows: Sequence[dict], path, *, title: str = "MQAR") -> Path:
     """Recall accuracy vs decode state size (log₂ x axis), one labelled point per attention
     (its best learning rate)."""
     fig, (ax,) = subplots(1, panel_size=(6.0, 4.0))
-    stacked: dict[tuple, int] = {}  # labels already at about this spot: stack them downwards
+    labels = []
     for r in best_rows(rows):
         marker = "*" if r["attention"] == "softmax" else "o"
         ax.scatter([r["state_size"]], [r["accuracy"]], marker=marker, s=60)
-        spot = (round(math.log2(max(r["state_size"], 1)), 1), round(r["accuracy"], 1))
-        n = stacked[spot] = stacked.get(spot, -1) + 1
-        ax.annotate(r["attention"], (r["state_size"], r["accuracy"]), fontsize=7,
-                    xytext=(4, 4 - 9 * n), textcoords="offset points")  # fmt: skip
+        labels.append(ax.annotate(r["attention"], (r["state_size"], r["accuracy"]), fontsize=7,
+                                  xytext=(4, 4), textcoords="offset points"))  # fmt: skip
     log_axes(ax, x=True, y=False)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("decode state per sequence at T = seq_len (floats)")
     ax.set_ylabel("recall accuracy")
     ax.set_title(title)
+    _unstack(fig, labels)
     return save_png(fig, path)
+
+
+def _unstack(fig, labels, step: float = 9.0, tries: int = 12) -> None:
+    """Move each label down in steps of ``step`` points until its box overlaps no label
+    placed before it (at most ``tries`` steps): points close in state size and recall have
+    long labels that would print over each other."""
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    for label in labels:
+        x, y = label.get_position()
+        for _ in range(tries):
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            y -= step
+            label.set_position((x, y))
+        placed.append(label.get_window_extent(renderer))
 
 
 def format_table(rows: Sequence[dict]) -> str:
