@@ -359,7 +359,7 @@ def stored_model_config(config) -> dict:
     (``surrogate_weight()``: a model preset's λ where the field is None). A preset's weights
     and shapes are checked when its state dict loads, but its λ only shapes later updates:
     stored resolved, a resumed run keeps the λ it was trained with when the preset's changes.
-    A stored config written before 2026-11-27 holds None there and takes the current
+    A stored config written before 2026-11-26 evening holds None there and takes the current
     preset's. A mapping with a field this version does not know is returned as
     ``saved_config`` gives it (it equals no config of today).
     """
