@@ -114,8 +114,8 @@ single ``KernelAttention``): an attention preset plus a model option.
   0.51 / 0.65 / 0.97 / 0.97× the largest drop possible on seeds 0 / 1 / 2 / 3 (the branch
   switched off leaves none); natural text 0.93 / 0.86 / 0.94× softmax's loss of the same size (seeds
   0–2); trained maps 0.92–0.93 / 0.64–0.65 / 0.51–0.54× exact degree 4 (seed 3). Long-range
-  MQAR (T = 1024, F = 128, seed 0): 0.109 against BASED's 0.077 at a smaller state (0.115
-  with λ = 10).
+  MQAR (T = 1024, F = 128, seeds 0 / 1): 0.109 / 0.081 against BASED's 0.077 / 0.087 at a
+  larger state (0.115 with λ = 10 on seed 0).
 
 **Mixed attention with any map** (``mixed=True``, one spelling for ``KernelAttention``,
 ``TransformerConfig`` and ``integrations.transformers.convert``): the exact local polynomial
