@@ -22,6 +22,16 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=os.environ.get("POLYSKETCH_TEST_BLAS_NOISE") == "1")
+def _blas_noise():
+    """Under POLYSKETCH_TEST_BLAS_NOISE=1 every matmul rounds as another BLAS would (blas_noise.py):
+    tests/test_numerics_portability.py runs the numerics tests so, on every machine."""
+    from blas_noise import BlasNoise
+
+    with BlasNoise():
+        yield
+
+
 def seeded(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``, for reproducible test draws."""
     return torch.Generator().manual_seed(seed)
