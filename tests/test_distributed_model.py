@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from numerics import assert_as_accurate
 from polysketch.distributed import shard_bounds
 from polysketch.nn import TransformerConfig, TransformerLM
 from test_distributed_harness import rel, run_ranks
@@ -159,8 +160,19 @@ def test_cp_model_equals_single_process_fp64(name, world):
 
 @pytest.mark.parametrize("name", ["psf_random", "psf_mixed_conv"])
 def test_cp_model_fp32_within_rounding(name):
-    want = _single(name, torch.float32)
-    _check(run_ranks(2, _rank, name, torch.float32), want, 1e-5)
+    """In fp32 the shards sum in other orders than one process: the logits and every summed
+    gradient are about as accurate, against the fp64 single process, as the fp32 single
+    process (``assert_as_accurate``; a fixed tolerance would depend on the CPU's BLAS
+    kernels). A summed gradient is two shards' partial sums, each as accurate as one
+    process's, plus the rounding of their sum: within 3x, norm-wise (small tensors)."""
+    want32, want64 = _single(name, torch.float32), _single(name, torch.float64)
+    results = run_ranks(2, _rank, name, torch.float32)
+    logits = torch.cat([r["logits"] for r in results], dim=1)
+    assert logits.dtype == torch.float32
+    assert_as_accurate(logits, want32["logits"], want64["logits"])
+    for n, g in want64["grads"].items():
+        got = sum(r["grads"][n] for r in results)
+        assert_as_accurate(got, want32["grads"][n], g, factor=3.0, norm="fro")
 
 
 @pytest.mark.parametrize("name", ["packed_conv", "window_packed"])

@@ -9,6 +9,7 @@ import torch
 from torch.func import functional_call
 
 from conftest import rel_err
+from numerics import gamma
 from polysketch.features import available, create
 from polysketch.features.exact import SymmetricPower, TensorPower
 from polysketch.features.fpa import FactorizedPolynomial, tspow_maps, tspow_weights
@@ -188,7 +189,8 @@ def test_dtypes_follow_input():
     out = m.query(xb)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, m.query(xb.float()).to(torch.bfloat16))  # fp32 internals
-    assert rel_err(m.query(x.float()).double(), m.query(x)) < 1e-6
+    # 3 branches, each a D = 4 dot product (gamma_4), multiplied together: gamma(3 * 4 + 2)
+    assert rel_err(m.query(x.float()).double(), m.query(x)) <= gamma(14, torch.float32)
 
 
 def test_seed_reproducibility_and_state_dict():
@@ -207,7 +209,8 @@ def test_seed_reproducibility_and_state_dict():
         a.double().redraw_(torch.Generator().manual_seed(9))
         b.redraw_(torch.Generator().manual_seed(9))
         assert all(t.dtype in (F64, torch.int64) for t in a.buffers())
-        assert rel_err(a.query(x), b.query(x)) < 1e-6
+        # a float64 map against a float32 one: branches of D = 4 dot products, degree 2
+        assert rel_err(a.query(x), b.query(x)) <= gamma(2 * 4 + 2, torch.float32)
         assert not torch.equal(b.query(x), c.query(x))
     torch.manual_seed(123)
     u = FactorizedPolynomial(4)

@@ -7,9 +7,17 @@ normalized result (compared with an fp64 reference on the same features / kernel
 ValueError naming the cause and the fix.
 """
 
+import copy
+
 import pytest
 import torch
 
+from numerics import (
+    assert_as_accurate,
+    linear_attention_error_bound,
+    matmul_error_bound,
+    unit_roundoff,
+)
 from polysketch import features, kernel_attention
 from polysketch.features.stability import attention_features, refuse_unless
 from polysketch.nn import MultiHeadFeatureMap
@@ -77,10 +85,15 @@ def test_large_queries_are_stabilized_exactly(name, rk, dtype):
     fm = build(name)
     out = kernel_attention(q, k, v, fm, causal=True, chunk_size=8)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    # 1. exact given the features it used: fp64 attention of the same (rounded) features
+    # 1. exact given the features it used: fp64 attention of the same (rounded) features, to
+    # the rounding of an fp32 attention (bf16: its operands round to 8 bits)
     phi_q, phi_k = fm.query_stabilized(q), fm.key(k)
     same = naive_linear_attention(phi_q.double(), phi_k.double(), v.double(), causal=True, eps=0)
-    assert rel(out, same) <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    if dtype == torch.bfloat16:
+        assert rel(out, same) <= 2e-2
+    else:
+        bound = linear_attention_error_bound(phi_q, phi_k, v, dtype=dtype)
+        assert ((out.double() - same).abs() <= bound).all()
     # 2. and it is the map's normalized attention (fp64 features, no stabilization)
     if dtype == torch.float32:
         signed = not fm.nonnegative  # denominators near zero amplify fp32 rounding
@@ -244,8 +257,14 @@ def test_multi_head_map_is_stabilized_per_head():
     x = on_sphere(16.0, 2, 3, 5, D)
     got = mh.query_stabilized(x)
     for h in range(3):
-        ref = mh.head_map(h).query_stabilized(x[:, h])  # sin of |ω·u| ~ 60: fp32 ulps
-        assert torch.allclose(got[:, h], ref, rtol=0, atol=2e-5)
+        fm = mh.head_map(h)
+        ref = fm.query_stabilized(x[:, h])
+        # the batched call rounds the projections θ = ω·u (|θ| ~ 60) in another order than the
+        # per-head call: |Δθ| <= γ_D |u|·|ω|; a stabilized feature c·cos θ (c ~ 1, from the same
+        # θ) moves by at most 2 max|Δθ|, plus its own rounding
+        dtheta = matmul_error_bound(fm._scaled(x[:, h]), fm.omega.T, torch.float32)
+        tol = 2 * float(dtheta.max()) + 2 * unit_roundoff(torch.float32)
+        assert (got[:, h] - ref).abs().max() <= tol
     assert torch.isfinite(got).all() and not torch.isfinite(mh.query(x)).all()
     k = on_sphere(2.0, 2, 3, 5, D, seed=1)
     phi_q, phi_k = attention_features(mh, x, k, causal=True, eps=1e-6)
@@ -276,7 +295,10 @@ def test_compiled_attention_checks_without_graph_break():
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     q, k, v = qkv(12.0, 2.0)
-    assert rel(compiled(q, k, v), fn(q, k, v)) <= 1e-6
+    f64 = copy.deepcopy(fm).double()
+    exact = kernel_attention(q.double(), k.double(), v.double(), f64, causal=True, chunk_size=8,
+                             algorithm="chunked_scan")  # fmt: skip
+    assert_as_accurate(compiled(q, k, v), fn(q, k, v), exact)
     q, k, v = qkv(8.0, 8.0)
     with pytest.raises(RuntimeError, match="underflows"):
         compiled(q, k, v)
@@ -303,8 +325,11 @@ def test_one_token_joint_features_equal_the_separate_calls(normalize, offset):
     sums = torch.rand(2, 3, mh.feature_dim)
     phi_q, phi_k = attention_features(mh, q, k, causal=True, eps=1e-6, normalize=normalize,
                                       denominator_offset=offset, initial_sums=sums)  # fmt: skip
-    torch.testing.assert_close(phi_q, mh.query(q), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(phi_k, mh.key(k), rtol=1e-6, atol=1e-7)
+    # the joint call rounds in another shape than the separate ones (a BLAS picks its kernel by
+    # shape), so it is judged as flash-attention judges a kernel (``assert_as_accurate``)
+    mh64 = copy.deepcopy(mh).double()
+    assert_as_accurate(phi_q, mh.query(q), mh64.query(q.double()))
+    assert_as_accurate(phi_k, mh.key(k), mh64.key(k.double()))
     # gradients through the joint call equal those of the separate calls (decoding with grad)
     q, k = (x.double().requires_grad_() for x in (q, k))
     mh = mh.double()

@@ -3,6 +3,7 @@
 Tiny random-init models built from configs (2 layers × 64 hidden); nothing is downloaded.
 """
 
+import copy
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from numerics import assert_as_accurate  # noqa: E402
 from polysketch.cli import main  # noqa: E402
 from polysketch.integrations.transformers import (  # noqa: E402
     PolysketchCache,
@@ -97,19 +99,32 @@ def _decisive(model):
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
 @pytest.mark.parametrize("attention", PRESETS + ["llops", "hedgehog"])
 def test_cached_decoding_equals_full_forward(family, attention):
+    """Decoding from the state equals the full forward: in fp64 to 1e-10 of the largest logit
+    (the same sums in other orders), and in fp32 as accurate as the full forward
+    (``assert_as_accurate``) for the maps with non-negative scores. llops' scores are signed
+    and cancel in its normalizer (Σ_j |s_ij| / |1 + Σ_j s_ij| reaches ~1.7e3 at random init in
+    these models), so there both fp32 paths err by up to ~1e-3 of the largest logit, by turns;
+    its fp32 decoding is held to the first-order bound κ γ_n at the op
+    (``test_ops_recurrent.py::test_fp32_decoding_is_within_rounding_of_fp64_however_...``)."""
     model = tiny(family)
     convert(model, attention, chunk_size=8)
     x = ids(t=27)
-    full = logits(model, x)
-    cache = PolysketchCache(model)
-    with torch.no_grad():
-        parts = [model(input_ids=x[:, :5], past_key_values=cache, use_cache=True).logits]
-        for i in range(5, x.shape[1]):
-            parts.append(model(input_ids=x[:, i : i + 1], past_key_values=cache).logits)
-    dec = torch.cat(parts, dim=1)
-    assert cache.get_seq_length() == x.shape[1]
-    tol = 1e-4 * full.abs().max()
-    assert (dec - full).abs().max() <= tol
+
+    def decode(m):
+        cache = PolysketchCache(m)
+        with torch.no_grad():
+            parts = [m(input_ids=x[:, :5], past_key_values=cache, use_cache=True).logits]
+            for i in range(5, x.shape[1]):
+                parts.append(m(input_ids=x[:, i : i + 1], past_key_values=cache).logits)
+        assert cache.get_seq_length() == x.shape[1]
+        return torch.cat(parts, dim=1)
+
+    exact = copy.deepcopy(model).double()
+    full64 = logits(exact, x)
+    assert (decode(exact) - full64).abs().max() <= 1e-10 * full64.abs().max()
+    cores = [m.polysketch for m in model.modules() if hasattr(m, "polysketch")]
+    if all(c.feature_map is None or c.feature_map.nonnegative for c in cores):
+        assert_as_accurate(decode(model), logits(model, x), full64)
 
 
 def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from numerics import linear_attention_error_bound
 from polysketch.ops import (
     LinearAttentionState,
     dense_to_pair_state,
@@ -43,6 +44,34 @@ def decode(q, k, v, *, prefill, step, square, offset, algorithm="chunked"):
         out, state = linear_attention_step(q[..., sl, :], k[..., sl, :], v[..., sl, :], state, **kw)
         outs.append(out)
     return torch.cat(outs, dim=-2), state
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_fp32_decoding_is_within_rounding_of_fp64_however_the_normalizer_cancels(square):
+    """Decoding sums the keys into a state (N, Z) and reads φq·N / (offset + φq·Z); the full
+    forward scores the keys of each block directly (s_ij = φq_i·φk_j) and reads the earlier
+    blocks from the state: the same products in other orders. Signed features (llops,
+    TensorSketch, unsquared sketches) make the normalizer 1 + Σ_j s_ij cancel, and both fp32
+    paths then err by up to κ_i γ_n, κ_i = Σ_j |s_ij| / |1 + Σ_j s_ij| (``numerics``): each
+    must stay within that first-order bound of the fp64 result on the same features."""
+    g = torch.Generator().manual_seed(11)
+    t, f, e = 40, 6, 5
+    q, k = (torch.randn(2, t, f, generator=g) * 1.5 for _ in range(2))  # signed: cancels
+    v = torch.randn(2, t, e, generator=g)
+    exact = naive_linear_attention(q.double(), k.double(), v.double(), causal=True,
+                                   square=square, denominator_offset=1.0, eps=0.0)  # fmt: skip
+    bound = linear_attention_error_bound(q, k, v, dtype=torch.float32, square=square,
+                                         denominator_offset=1.0)  # fmt: skip
+    s = q.double() @ k.double().transpose(-1, -2)
+    s = (s * s if square else s).tril()
+    kappa = (1 + s.abs().sum(-1)) / (1 + s.sum(-1)).abs()
+    assert square or kappa.max() > 100  # the ill-conditioned case is exercised
+    full = linear_attention(q, k, v, causal=True, square=square, denominator_offset=1.0,
+                            chunk_size=8)  # fmt: skip
+    for prefill, step in ((0, 1), (5, 1), (9, 3)):
+        out, _ = decode(q, k, v, prefill=prefill, step=step, square=square, offset=1.0)
+        assert ((out.double() - exact).abs() <= bound).all(), (prefill, step)
+    assert ((full.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("square", [False, True])

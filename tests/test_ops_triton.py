@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 import polysketch  # noqa: E402
 from conftest import naive_lt_same_dtype, rel_err  # noqa: E402
+from numerics import gamma  # noqa: E402
 from polysketch.ops import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from polysketch.ops.naive import naive_linear_attention  # noqa: E402
 from polysketch.ops.pairs import compress  # noqa: E402
@@ -38,6 +39,16 @@ def _inputs(lead, t, f, e, dtype=torch.float32, *, square):
     if square:  # keep (A·B)² of order one
         a, b = a * f**-0.5 * 2, b * f**-0.5 * 2
     return tuple(x.to(dtype) for x in (a, b, c))
+
+
+def _tol(f: int, t: int, square: bool) -> float:
+    """Normwise fp32 bound of an output row Σ_j s_ij c_j over t keys with F (F(F+1)/2 pair)
+    features: gamma(F' + t) (``numerics``; rows of random inputs do not cancel normwise)."""
+    return gamma((f * (f + 1) // 2 if square else f) + t, torch.float32)
+
+
+# a state update N' = N + φk ⊗ v: one product and one sum per entry on each side
+STATE_TOL = gamma(16, torch.float32)
 
 
 def _naive64(a, b, c, square):
@@ -136,7 +147,8 @@ def test_leading_dims_and_non_contiguous_inputs():
     num, rs = _kernel(at, bt, ct, True)
     ref_num, ref_rs = _naive64(at, bt, ct, True)
     assert num.shape == (2, 3, 40, 32) and rs.shape == (2, 3, 40)
-    assert rel_err(num.double(), ref_num) <= 1e-5 and rel_err(rs.double(), ref_rs) <= 1e-5
+    tol = _tol(16, 40, True)
+    assert rel_err(num.double(), ref_num) <= tol and rel_err(rs.double(), ref_rs) <= tol
 
 
 def test_backward_saves_only_the_inputs():
@@ -162,13 +174,14 @@ def test_decode_step_matches_full_computation(square, f, e):
     )
     ref_num, ref_rs = _naive64(q, k, v, square)
     assert num.shape == (2, 3, 1, e) and den.shape == (2, 3, 1)
-    assert rel_err(num.double(), ref_num[..., -1:, :]) <= 1e-5
-    assert rel_err(den.double(), ref_rs[..., -1:]) <= 1e-5
+    tol = _tol(f, t, square)
+    assert rel_err(num.double(), ref_num[..., -1:, :]) <= tol
+    assert rel_err(den.double(), ref_rs[..., -1:]) <= tol
     step_out, state = linear_attention_step(
         q[..., -1:, :], k[..., -1:, :], v[..., -1:, :], prefix, square=square, normalize=False
     )
-    assert rel_err(num, step_out) <= 1e-5
-    assert rel_err(n2, state.numerator) <= 1e-6 and rel_err(z2, state.denominator) <= 1e-6
+    assert rel_err(num, step_out) <= 2 * tol
+    assert rel_err(n2, state.numerator) <= STATE_TOL and rel_err(z2, state.denominator) <= STATE_TOL
     assert not torch.equal(n2, prefix.numerator)  # a new tensor, the input untouched
 
 
@@ -180,11 +193,12 @@ def test_decode_step_half_inputs_and_fp32_state():
     num, den, n2, z2 = triton_decode_step(q, k, v, pn, pz, square=True)
     qf, kf, vf = (x.float()[:, 0] for x in (q, k, v))
     ref_n = n + torch.einsum("bf,bg,be->bfge", kf, kf, vf)
-    assert n2.dtype == torch.float32 and rel_err(n2, compress(ref_n)) <= 1e-6
-    assert rel_err(num[:, 0], torch.einsum("bf,bg,bfge->be", qf, qf, ref_n)) <= 1e-5
+    assert n2.dtype == torch.float32 and rel_err(n2, compress(ref_n)) <= STATE_TOL
+    tol = 2 * gamma(16 * 16 + 2, torch.float32)  # a read of the F x F state, both sides fp32
+    assert rel_err(num[:, 0], torch.einsum("bf,bg,bfge->be", qf, qf, ref_n)) <= tol
     ref_z = z + torch.einsum("bf,bg->bfg", kf, kf)
-    assert rel_err(z2, compress(ref_z, values=False)) <= 1e-6
-    assert rel_err(den[:, 0], torch.einsum("bf,bg,bfg->b", qf, qf, ref_z)) <= 1e-5
+    assert rel_err(z2, compress(ref_z, values=False)) <= STATE_TOL
+    assert rel_err(den[:, 0], torch.einsum("bf,bg,bfg->b", qf, qf, ref_z)) <= tol
 
 
 def test_available_and_supported_inputs():
@@ -293,7 +307,7 @@ def test_split_layout_matches_sequential_and_naive(square, f, e, t, chunk, seg, 
     ref = _values_and_grads(_naive64, a, b, c, square, wn, wr, torch.float64)
     for name, x, y, r in zip(NAMES, split, seq, ref, strict=True):
         assert rel_err(x.double(), r) <= 1e-4, name
-        assert rel_err(x, y) <= 1e-5, name
+        assert rel_err(x, y) <= 2 * _tol(f, t, square), name  # two fp32 orders
         if t <= seg:  # one segment: exactly the sequential pass
             assert torch.equal(x, y), name
 

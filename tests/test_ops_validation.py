@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from numerics import linear_attention_error_bound
 from polysketch import features, kernel_attention
 from polysketch.ops import (
     LinearAttentionState,
@@ -116,6 +117,10 @@ def test_a_lower_rank_key_mask_is_refused_even_when_batch_equals_heads():
             fn(q, k, v, causal=True, key_padding_mask=mask)
     want = naive_linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None])
     got = linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None])
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the chunked and the naive op sum the same products in other orders: each within the
+    # first-order bound of the exact value (numerics.linear_attention_error_bound)
+    masked_k = k * mask[:, None, :, None]  # masked keys add nothing to either sum
+    bound = linear_attention_error_bound(q, masked_k, v, dtype=torch.float32)
+    assert ((got - want).abs() <= 2 * bound).all()
     full = linear_attention(q, k, v, causal=True, key_padding_mask=mask[:, None].expand(2, 2, 5))
     assert torch.allclose(full, got, rtol=0, atol=0)
