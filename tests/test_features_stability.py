@@ -366,3 +366,64 @@ def test_all_finite_tests_every_element_and_never_refuses_large_finite_values():
     pair = torch.randn(4, 8)
     pair[0, 0], pair[0, 1] = float("inf"), -float("inf")  # inf − inf in the sum: still refused
     assert not _all_finite(pair)
+
+
+# ----- every public entry point refuses what it cannot compute (issue 38 item 4) ----------------
+@pytest.mark.parametrize("name", ["trig", "hybrid_angular", "hybrid_gaussian"])
+def test_public_query_and_key_refuse_features_that_overflow(name):
+    """Before: fm.query(x) of trig / hybrid_angular at ‖x‖ = 16 returned inf, NaN downstream."""
+    fm = build(name)
+    x = on_sphere(16.0, 2, 5, D)
+    with pytest.raises(ValueError, match=rf"query features of feature map '{name}' overflow"):
+        fm.query(x)
+    with pytest.raises(ValueError, match=rf"key features of feature map '{name}' overflow"):
+        fm.key(x)
+    assert torch.isfinite(fm.query_stabilized(x)).all()  # the exact way around it
+    assert not torch.isfinite(fm.unchecked("query", x)).all()  # what used to come back
+    assert torch.isfinite(fm.query(on_sphere(2.0, 2, 5, D))).all()  # ordinary inputs pass
+
+
+def _underflowing_features():
+    """Positive random features at ‖q‖ = ‖k‖ = 16, scale 1: every score underflows to 0."""
+    fm = features.create("positive", D, seed=0)
+    q, k, v = qkv(16, 16)
+    return fm.query(q), fm.key(k), v
+
+
+def test_linear_attention_refuses_an_exactly_zero_normalizer():
+    """Before: kernel_attention refused these features, but the same features passed to the
+    public linear_attention returned all-zero outputs without a word."""
+    from polysketch.ops import linear_attention, linear_attention_step
+
+    phi_q, phi_k, v = _underflowing_features()
+    assert (phi_q @ phi_k.transpose(-1, -2)).tril().sum(-1).eq(0).any()
+    with pytest.raises(ValueError, match="normalizer .* is exactly 0"):
+        linear_attention(phi_q, phi_k, v, causal=True)
+    with pytest.raises(ValueError, match="normalizer .* is exactly 0"):
+        linear_attention(phi_q, phi_k, v, causal=False)
+    with pytest.raises(ValueError, match="normalizer .* is exactly 0"):
+        linear_attention(phi_q, phi_k, v, causal=True, cu_seqlens=[0, 10, T])
+    with pytest.raises(ValueError, match="normalizer .* is exactly 0"):  # one decoding step
+        linear_attention_step(phi_q[..., :1, :], phi_k[..., :1, :], v[..., :1, :], None)
+    # an offset, or no normalization, is well defined: no refusal
+    assert torch.isfinite(
+        linear_attention(phi_q, phi_k, v, causal=True, denominator_offset=1.0)
+    ).all()
+    assert linear_attention(phi_q, phi_k, v, causal=True, normalize=False).abs().max() == 0
+
+
+def test_a_query_that_sees_no_key_keeps_its_zero_output():
+    """A zero normalizer is refused only where the query sees a key: all-masked rows stay 0."""
+    from polysketch.ops import linear_attention
+
+    q, k, v = qkv(1, 1)
+    fm = features.create("positive", D, seed=0)
+    phi_q, phi_k = fm.query(q), fm.key(k)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, :5] = False  # row 0's first five queries see no key
+    out = linear_attention(phi_q, phi_k, v, causal=True, key_padding_mask=mask)
+    assert out[0, :5].abs().max() == 0 and out[0, 5:].abs().min() > 0
+    packed = linear_attention(phi_q, phi_k, v, causal=True, key_padding_mask=mask,
+                              cu_seqlens=[0, 3, T])  # fmt: skip
+    assert packed[0, :3].abs().max() == 0 and packed[0, 3:5].abs().max() == 0
+    assert packed[0, 5:].abs().min() > 0

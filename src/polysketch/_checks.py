@@ -23,6 +23,8 @@ __all__ = [
     "check_same_dtype_device",
     "check_finite",
     "compute_dtype",
+    "as_dtype",
+    "refuse_unless",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -168,3 +170,20 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     itself anyway, but its dispatch costs about 2 µs on a CPU, which one decoding step of a
     small model feels, issue 22)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def refuse_unless(ok: torch.Tensor, message: str, *, asynchronous: bool | None = None) -> None:
+    """Refuse (``message``) unless every element of the boolean tensor ``ok`` is True.
+
+    ``asynchronous=None`` decides by device: on the CPU a ValueError is raised (a host read is
+    free there); on accelerators, and inside ``torch.compile`` (where a host read would break
+    the graph), ``torch._assert_async(ok.all(), message)`` checks without a host
+    synchronization. ``True``/``False`` force one path (``True`` on the CPU raises
+    RuntimeError at once, which is how the device path is tested without a device).
+    """
+    if asynchronous is None:
+        asynchronous = ok.device.type != "cpu" or torch.compiler.is_compiling()
+    if asynchronous:
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise ValueError(message)

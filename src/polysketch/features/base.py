@@ -59,6 +59,7 @@ from torch import nn
 
 from .._checks import check_feature_input, check_positive_int, compute_dtype
 from ..random import check_seed, make_generator
+from .stability import refuse_features
 
 __all__ = [
     "FAMILIES",
@@ -246,14 +247,13 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
         return x
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        """φq(x): (..., D) -> (..., F), same dtype as ``x``."""
-        x = self._checked(x)
-        return self._query(x.to(compute_dtype(x.dtype))).to(x.dtype)
+        """φq(x): (..., D) -> (..., F), same dtype as ``x``; features that overflow it (or
+        come from NaN/Inf inputs) are refused (``features.stability.refuse_features``)."""
+        return refuse_features(self, self.unchecked("query", x), "query")
 
     def key(self, x: torch.Tensor) -> torch.Tensor:
-        """φk(x): (..., D) -> (..., F), same dtype as ``x``."""
-        x = self._checked(x)
-        return self._key(x.to(compute_dtype(x.dtype))).to(x.dtype)
+        """φk(x): (..., D) -> (..., F), same dtype as ``x``; refused as ``query``."""
+        return refuse_features(self, self.unchecked("key", x), "key")
 
     def query_stabilized(self, x: torch.Tensor) -> torch.Tensor:
         """c(x)·φq(x) with c(x) > 0 per row: (..., D) -> (..., F), same dtype as ``x``.
@@ -262,9 +262,18 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
         overflows on the way (log-space computation); other maps return ``query(x)``. Use it
         in place of ``query`` only where c cancels: normalized attention with no normalizer
         offset (module docstring). Gradients are exact there: the output is invariant to c.
+        Refused as ``query`` where it overflows.
         """
+        return refuse_features(self, self.unchecked("query_stabilized", x), "query_stabilized")
+
+    def unchecked(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        """``query`` / ``key`` / ``query_stabilized`` (``role``) without the overflow refusal,
+        for ``features.stability.attention_features``, which checks the features it returns
+        itself (exempting keys a padding mask removes)."""
         x = self._checked(x)
-        return self._query_stabilized(x.to(compute_dtype(x.dtype))).to(x.dtype)
+        compute = {"query": self._query, "key": self._key,
+                   "query_stabilized": self._query_stabilized}[role]  # fmt: skip
+        return compute(x.to(compute_dtype(x.dtype))).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Alias of ``query`` (for symmetric maps query == key)."""
@@ -279,13 +288,14 @@ class FeatureMap(nn.Module, metaclass=_FeatureMapMeta):
         """The kernel the features give: φq(x)·φk(y), squared when ``square``.
 
         Shapes: x (..., Tx, D), y (..., Ty, D) -> (..., Tx, Ty). Quadratic in T: meant for
-        tests and fidelity measurement, not for attention.
+        tests, fitting and fidelity measurement, not for attention; features that overflow
+        give inf/NaN here (a fit that diverges sees its loss turn NaN) instead of a refusal.
         """
         check_feature_input(x, self.dim, "x")
         check_feature_input(y, self.dim, "y")
         if x.dim() < 2 or y.dim() < 2:
             raise ValueError("x and y must have shape (..., T, D)")
-        s = self.query(x) @ self.key(y).transpose(-1, -2)
+        s = self.unchecked("query", x) @ self.unchecked("key", y).transpose(-1, -2)
         return s * s if self.square else s
 
     # ----- randomness --------------------------------------------------------------------

@@ -49,26 +49,9 @@ import math
 
 import torch
 
-from .._checks import check_float
+from .._checks import check_float, refuse_unless
 
-__all__ = ["attention_features", "refuse_unless", "range_advice"]
-
-
-def refuse_unless(ok: torch.Tensor, message: str, *, asynchronous: bool | None = None) -> None:
-    """Refuse (``message``) unless every element of the boolean tensor ``ok`` is True.
-
-    ``asynchronous=None`` decides by device: on the CPU a ValueError is raised (a host read is
-    free there); on accelerators, and inside ``torch.compile`` (where a host read would break
-    the graph), ``torch._assert_async(ok.all(), message)`` checks without a host
-    synchronization. ``True``/``False`` force one path (``True`` on the CPU raises
-    RuntimeError at once, which is how the device path is tested without a device).
-    """
-    if asynchronous is None:
-        asynchronous = ok.device.type != "cpu" or torch.compiler.is_compiling()
-    if asynchronous:
-        torch._assert_async(ok.all(), message)
-    elif not bool(ok.all()):
-        raise ValueError(message)
+__all__ = ["attention_features", "refuse_features", "refuse_unless", "range_advice"]
 
 
 def range_advice(feature_map, dtype: torch.dtype) -> str:
@@ -156,6 +139,29 @@ def _key_overflow(feature_map, dtype) -> str:
     )
 
 
+def refuse_features(feature_map, phi: torch.Tensor, role: str) -> torch.Tensor:
+    """``phi`` (features of ``role`` "query", "query_stabilized" or "key"), refused unless
+    every element is finite in its dtype: the public ``FeatureMap.query`` / ``key`` /
+    ``query_stabilized`` return no inf or NaN (trig's exp(‖u‖²/2) factor, hybrid_angular's)
+    without a word. One reduction; ``refuse_unless`` (no host sync on accelerators)."""
+    asynchronous = phi.device.type != "cpu" or torch.compiler.is_compiling()
+    if not asynchronous and _all_finite(phi):
+        return phi
+    if role == "key":
+        message = _key_overflow(feature_map, phi.dtype)
+    else:
+        hint = ""
+        if role == "query" and getattr(feature_map, "stable_query", False):
+            hint = ("query_stabilized(x) rescales each row exactly where the factor cancels "
+                    "(normalized attention with denominator_offset=0); ")  # fmt: skip
+        message = (
+            f"{role} features of feature map {_label(feature_map)} overflow {phi.dtype} (or x "
+            f"holds NaN/Inf): {hint}{range_advice(feature_map, phi.dtype)}"
+        )
+    refuse_unless(torch.isfinite(phi).all(), message, asynchronous=asynchronous)
+    return phi
+
+
 def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_mask,
            initial_sums, asynchronous, joint=None) -> None:  # fmt: skip
     """Rules 2 and 3 of the module docstring. ``joint``: φq and φk concatenated along T (one
@@ -236,13 +242,19 @@ def attention_features(
     eps = check_float(eps, "eps", minimum=0.0)
     stabilized = bool(normalize) and offset == 0.0
     joint = None
+    # a FeatureMap's unchecked features: _check below refuses what overflows (masked keys exempt)
+    unchecked = getattr(feature_map, "unchecked", None)
+
+    def compute(role, x):
+        return unchecked(role, x) if unchecked is not None else getattr(feature_map, role)(x)
+
     if getattr(feature_map, "symmetric", False) and q.shape == k.shape and q.shape[-2] == 1:
         # one decoding step of a map with φq = φk: both rows in one call
-        joint = feature_map.key(torch.cat([q, k], dim=-2))
+        joint = compute("key", torch.cat([q, k], dim=-2))
         phi_q, phi_k = joint[..., :1, :], joint[..., 1:, :]
     else:
-        phi_q = feature_map.query_stabilized(q) if stabilized else feature_map.query(q)
-        phi_k = feature_map.key(k)
+        phi_q = compute("query_stabilized" if stabilized else "query", q)
+        phi_k = compute("key", k)
     _check(
         feature_map, phi_q, phi_k, stabilized=stabilized, causal=causal, eps=eps,
         key_padding_mask=key_padding_mask, initial_sums=initial_sums, asynchronous=asynchronous,

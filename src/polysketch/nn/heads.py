@@ -62,15 +62,16 @@ ROLES = ("query", "key", "query_stabilized")
 
 
 class _Role(nn.Module):
-    """Calls ``map.query``, ``map.key`` or ``map.query_stabilized``; the module
-    ``functional_call`` runs per head."""
+    """Calls ``map.query``, ``map.key`` or ``map.query_stabilized`` without the overflow
+    refusal (``FeatureMap.unchecked``: the attention core checks the features it uses, and a
+    data-dependent refusal would not vmap); the module ``functional_call`` runs per head."""
 
     def __init__(self, feature_map: FeatureMap):
         super().__init__()
         self.map = feature_map
 
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
-        return getattr(self.map, role)(x)
+        return self.map.unchecked(role, x)
 
 
 class MultiHeadFeatureMap(nn.Module):
@@ -185,7 +186,7 @@ class MultiHeadFeatureMap(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         if not self.vectorized:
-            outs = [getattr(m, role)(x.select(-3, h)) for h, m in enumerate(self.maps)]
+            outs = [m.unchecked(role, x.select(-3, h)) for h, m in enumerate(self.maps)]
             return torch.stack(outs, dim=-3)
         params, buffers = self._stacked()
         template = self._template[0]
@@ -209,7 +210,9 @@ class MultiHeadFeatureMap(nn.Module):
         )
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        """φq per head: (..., H, T, D) -> (..., H, T, F), dtype of x."""
+        """φq per head: (..., H, T, D) -> (..., H, T, F), dtype of x. Unlike
+        ``FeatureMap.query`` it does not refuse features that overflow: the attention core
+        checks what it uses (``features.stability.attention_features``)."""
         return self._features(x, "query")
 
     def key(self, x: torch.Tensor) -> torch.Tensor:

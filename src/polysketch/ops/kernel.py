@@ -38,7 +38,7 @@ from ._validate import (
     check_qkv,
 )
 from .dispatch import ALGORITHMS, NONCAUSAL, plan
-from .naive import DEFAULT_EPS, stabilize_denominator
+from .naive import DEFAULT_EPS, refuse_zero_normalizers, stabilize_denominator
 from .state import LinearAttentionState, unpack_state
 from .varlen import varlen_linear_attention
 
@@ -144,6 +144,15 @@ def linear_attention(
         num, den, state = q.new_zeros(*q.shape[:-1], e), q.new_zeros(q.shape[:-1]), init
     else:
         num, den, state = how.run(q, k, c, initial=init, return_state=return_state, **kw)
+    if normalize and offset == 0.0:
+        earlier = initial_state is not None and initial_state.length > 0
+        if key_padding_mask is None or earlier:
+            sees = None if tk > 0 or earlier else den.new_zeros((), dtype=torch.bool)
+        elif causal:  # query i sees keys j <= i + (Tk - Tq)
+            sees = key_padding_mask.cumsum(-1)[..., tk - tq :] > 0
+        else:
+            sees = key_padding_mask.any(-1, keepdim=True)
+        refuse_zero_normalizers(den, sees)
     out = num / stabilize_denominator(den.unsqueeze(-1) + offset, eps) if normalize else num
     out = out.to(dtype)
     if not return_state:

@@ -23,12 +23,13 @@ import math
 
 import torch
 
-from .._checks import check_float, check_positive_int, compute_dtype
+from .._checks import check_float, check_positive_int, compute_dtype, refuse_unless
 from ._validate import check_bool, check_key_padding_mask, check_offset_eps, check_qkv
 
 __all__ = [
     "DEFAULT_EPS",
     "stabilize_denominator",
+    "refuse_zero_normalizers",
     "causal_mask",
     "softmax_attention",
     "polynomial_attention",
@@ -44,6 +45,24 @@ def stabilize_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
     if eps == 0.0:
         return den
     return torch.where(den < 0, den.clamp(max=-eps), den.clamp(min=eps))
+
+
+def refuse_zero_normalizers(den: torch.Tensor, sees: torch.Tensor | None) -> None:
+    """Refuse rows whose normalizer Σ_j s_ij is exactly 0 although the query sees a key, for
+    ``denominator_offset=0``: features that underflowed (positive random features at large
+    ‖q‖, ‖k‖) or are all zero, where the guard would return 0, or the division NaN, without a
+    word. Signed normalizers cross zero but are never exactly 0 by chance; a query that sees
+    no key (``sees`` False: all its keys masked) keeps its 0 output. ``den`` (..., Tq),
+    ``sees`` bool broadcastable to it or None (every row sees a key). One reduction
+    (``refuse_unless``: no host sync on accelerators)."""
+    ok = den != 0 if sees is None else (den != 0) | ~sees
+    refuse_unless(
+        ok,
+        "the attention normalizer Σ_j φq(q_i)·φk(k_j) is exactly 0 for query rows that see keys "
+        "(the features underflow, or are zero), so their outputs would be 0 or NaN: with "
+        "denominator_offset=0 use kernel_attention (it stabilizes the queries of softmax-kernel "
+        "maps), normalize q and k, lower the maps' scale, or set denominator_offset > 0",
+    )
 
 
 def causal_mask(tq: int, tk: int, device: torch.device) -> torch.Tensor:

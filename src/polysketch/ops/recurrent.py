@@ -20,7 +20,7 @@ from .._checks import as_dtype, compute_dtype
 from ._validate import check_bool, check_key_padding_mask, check_offset_eps, check_qkv
 from .dispatch import decode_backend
 from .kernel import linear_attention
-from .naive import DEFAULT_EPS, stabilize_denominator
+from .naive import DEFAULT_EPS, refuse_zero_normalizers, stabilize_denominator
 from .pairs import PairFeatures
 from .state import LinearAttentionState, unpack_state
 
@@ -108,6 +108,9 @@ def linear_attention_token(
         num, den, n1, z1 = _step(q, k, v1, *init, square=square, keep=key_padding_mask)
     out = num
     if normalize:
+        if not denominator_offset:  # the new key itself, or the earlier ones, are seen
+            sees = None if key_padding_mask is None or state.length > 0 else key_padding_mask
+            refuse_zero_normalizers(den[..., 0], sees)
         out = num / stabilize_denominator(den + denominator_offset if denominator_offset else den,
                                           eps)  # fmt: skip
     return as_dtype(out, phi_q.dtype), LinearAttentionState(n1, z1, state.length + 1)

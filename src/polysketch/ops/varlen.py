@@ -40,7 +40,12 @@ from ._validate import (
 )
 from .blocks import group_blocks_for
 from .dispatch import ALGORITHMS, operand_dtype, plan
-from .naive import DEFAULT_EPS, naive_linear_attention, stabilize_denominator
+from .naive import (
+    DEFAULT_EPS,
+    naive_linear_attention,
+    refuse_zero_normalizers,
+    stabilize_denominator,
+)
 from .pairs import key_state
 from .state import LinearAttentionState, unpack_state
 from .state_io import read_state
@@ -303,6 +308,8 @@ def varlen_linear_attention(
         initial=None if initial_state is None else init, key_padding_mask=key_padding_mask,
         algorithm=algorithm, return_state=return_state,
     )  # fmt: skip
+    if normalize and offset == 0.0:
+        refuse_zero_normalizers(den, _sees_a_key(key_padding_mask, starts, t, initial_state))
     out = num / stabilize_denominator(den.unsqueeze(-1) + offset, eps) if normalize else num
     out = out.to(phi_q.dtype)
     if not return_state:
@@ -341,3 +348,20 @@ def naive_varlen_linear_attention(
     if not outs:
         return phi_q.new_zeros(*phi_q.shape[:-1], v.shape[-1])
     return torch.cat(outs, dim=-2)
+
+
+def _sees_a_key(key_padding_mask, starts, t, initial_state) -> torch.Tensor | None:
+    """Whether each packed query sees a real key of its document (the first document also
+    sees ``initial_state``'s keys): (..., T) bool, or None when every query does."""
+    if key_padding_mask is None:
+        return None
+    count = key_padding_mask.to(torch.int64).cumsum(-1)
+    before = torch.nn.functional.pad(count, (1, 0))  # before[..., i] = real keys before i
+    start = torch.zeros(t, dtype=torch.int64, device=count.device)
+    for s in starts:  # each position's document start (``document_starts``: sorted host ints)
+        start[s:] = s
+    sees = (count - before[..., start]) > 0
+    if initial_state is not None and initial_state.length > 0:
+        first = torch.arange(t, device=count.device) < (starts[0] if starts else t)
+        sees = sees | first
+    return sees
