@@ -395,3 +395,18 @@ def test_bad_layout_arguments():
         triton_lt_multiply_with_sums(a, b, c, square=True, layout="parallel")
     with pytest.raises(ValueError, match="segment_length must be a positive int"):
         triton_lt_multiply_with_sums(a, b, c, square=True, segment_length=0)
+
+
+def test_autotune_configs_from_the_environment(monkeypatch):
+    from polysketch.ops.triton._config import CONFIGS_ENV, autotune_configs
+
+    monkeypatch.delenv(CONFIGS_ENV, raising=False)
+    assert autotune_configs() == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    monkeypatch.setenv(CONFIGS_ENV, "4x1")
+    assert autotune_configs() == [(4, 1)]
+    monkeypatch.setenv(CONFIGS_ENV, " 4x2, 8X1 ")
+    assert autotune_configs() == [(4, 2), (8, 1)]
+    for bad in ("4", "3x1", "4x0", "x", "4x1,,"):
+        monkeypatch.setenv(CONFIGS_ENV, bad)
+        with pytest.raises(ValueError, match=CONFIGS_ENV):
+            autotune_configs()
