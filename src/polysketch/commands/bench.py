@@ -38,6 +38,7 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
+from ..ops.dispatch import ALGORITHMS
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -94,6 +95,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}"
     )
+    parser.add_argument(
+        "--algorithms", default="chunked",
+        help="backends the polysketch and positive methods run with, side by side "
+        "(comma-separated; chunked: the default dispatch, e.g. chunked,chunked_blocks,triton)",
+    )  # fmt: skip
     parser.add_argument(
         "--model", action="store_true",
         help="TransformerLM training tokens/s (softmax vs psf_random vs psf_mixed) instead; "
@@ -259,6 +265,11 @@ def _config(args) -> BenchConfig:
     )
     for name in kw["methods"]:
         check_choice(name, "methods", METHODS)
+    kw["algorithms"] = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    if not kw["algorithms"]:
+        raise ValueError("algorithms must name at least one backend, e.g. chunked")
+    for name in kw["algorithms"]:
+        check_choice(name, "algorithms", ALGORITHMS)
     if args.lengths:
         kw["lengths"] = parse_lengths(args.lengths)
     if args.decode_positions:
