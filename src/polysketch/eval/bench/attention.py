@@ -18,6 +18,8 @@ One run measures, on one device and with a fixed thread count, for sequence leng
   token plus ``linear_attention_step`` on the state of a real prefill of P tokens (constant
   size), for ``sdpa`` one query attending a KV cache of P keys (no cache append).
 
+On CUDA each call runs once untimed first (kernel compilation and Triton's autotuning, whose
+timing buffers would count in the peak), then once for the peak memory (``timing.peak_memory``).
 Timing: ``timing.time_call``: ``torch.utils.benchmark.Timer.blocked_autorange`` for
 ``min_time`` seconds after its warm-up (the device synchronised), at least ``min_repeats``
 timed calls; the median time per call is reported. Matmul peak: the median GFLOP/s of an n×n
@@ -360,6 +362,8 @@ def _measure_length(run: _Setup, t: int, section: str, rows: _Rows, bar) -> None
             rows.add(section, label, t, f"skipped ({refusal})", fmap=fmap)
             bar.update()
             continue
+        if run.device.type == "cuda":  # compiling and autotuning stay out of the peak memory
+            fn()
         measured = peak_memory(fn, run.device)
         mem, flop = None, None
         if measured is not None:
