@@ -111,8 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run with tiny shapes")
     parser.add_argument("--budget", type=float, default=360.0, help="seconds for all stages")
-    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a stage process
+    parser.add_argument("--stage", choices=(*STAGES, "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--stage-budget", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--warm", nargs="*", default=(), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget}")
@@ -292,6 +293,11 @@ def _tests_passed(out: Path, stages: dict) -> bool:
 # ----- stages 2-4, run in their own process ----------------------------------------------------
 def _run_stage(args) -> int:
     setting = SMOKE if args.smoke else GPU
+    if args.stage == "warm":
+        for job in args.warm:
+            method, _, t = job.partition(":")
+            _triton_call(setting, method, int(t))
+        return 0
     budget = args.stage_budget or SHARES[args.stage]
     start = time.monotonic()
     deadline = start + budget
@@ -330,6 +336,10 @@ def _attention(setting: Setting, out: Path, deadline: float) -> dict:
                 sketch_dim=setting.sketch_dim, plain_pairs=setting.plain_pairs,
                 min_time=setting.min_time, min_repeats=setting.min_repeats, matmul_n=1024,
                 progress=False)  # fmt: skip
+    try:
+        warmed = _warm(setting, deadline)
+    except Exception as err:  # the timing below compiles what is missing itself
+        warmed = f"failed ({type(err).__name__}: {err})"
     rows, skipped, last = [], [], None
     for groups in PASSES:
         for t in setting.lengths:
@@ -358,7 +368,107 @@ def _attention(setting: Setting, out: Path, deadline: float) -> dict:
             _write(out / "attention.csv", sorted(rows, key=_order), ATTENTION_FIELDS)
     _write(out / "attention.csv", sorted(rows, key=_order), ATTENTION_FIELDS)
     status = "ok" if not skipped else f"partial (budget: skipped T = {sorted(set(skipped))})"
-    return {"status": status, "rows": len(rows)}
+    return {"status": status, "rows": len(rows), "warm": warmed}
+
+
+WARM_PROCESSES = 6
+WARM_SHARE = 0.4
+"""The warm-up may take this fraction of the attention stage's budget (then it is stopped)."""
+
+
+def _warm(setting: Setting, deadline: float) -> str:
+    """Compile and autotune the Triton kernels of every timed call in parallel processes
+    before anything is timed (``triton``'s disk cache keeps the binaries; autotuning again
+    in the timing process re-times cached kernels only). One call per distinct launch plan
+    (slice groups NS, sequential or split layout) of each Triton method; up to
+    ``WARM_PROCESSES`` at once, all stopped at ``WARM_SHARE`` of the stage's time left."""
+    jobs = _warm_jobs(setting)
+    if not jobs:
+        return "nothing to compile"
+    t0 = time.monotonic()
+    limit = t0 + WARM_SHARE * max(0.0, deadline - t0)
+    env = dict(os.environ, TRITON_PRINT_AUTOTUNING="0")
+    base = [sys.executable, str(Path(__file__).resolve()), "--stage", "warm"]
+    base += ["--smoke"] if setting is SMOKE else []
+    chunks = [jobs[i::WARM_PROCESSES] for i in range(min(WARM_PROCESSES, len(jobs)))]
+    procs = [subprocess.Popen([*base, "--warm", *chunk], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for chunk in chunks]  # fmt: skip
+    stopped, failed = 0, []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=max(0.0, limit - time.monotonic()))
+            if proc.returncode:
+                failed.append((err or "").strip().splitlines()[-1:] or ["?"])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            stopped += 1
+    text = f"{len(jobs)} calls in {len(procs)} processes, {time.monotonic() - t0:.0f} s"
+    if stopped:
+        text += f", {stopped} stopped at the limit"
+    if failed:
+        text += f", {len(failed)} failed: {failed[0][0][:150]}"
+    print(f"warm-up: {text}", flush=True)
+    return text
+
+
+def _warm_jobs(setting: Setting) -> list[str]:
+    """``method:T`` for one length per distinct Triton launch plan of the timed calls."""
+    from polysketch.eval.bench.attention import bench_maps
+    from polysketch.ops.dispatch import multiprocessor_count
+    from polysketch.ops.triton._config import block_e, block_t, slice_groups
+    from polysketch.ops.triton._layout import choose_segment
+
+    sms = multiprocessor_count(setting.device)
+    maps = bench_maps(_bench_config(setting), "cpu")
+    timed = [m for groups in PASSES for ms, algs in groups if "triton" in algs for m in ms]
+    methods = [m for m in timed if m in maps]  # those linear_attention runs
+    jobs, seen = [], set()
+    for method in dict.fromkeys(methods):
+        square, f = maps[method].square, maps[method].feature_dim
+        e, bh = 64, setting.heads
+        for t in setting.lengths:
+            bt = block_t(256, t, f, 2)
+            ns = slice_groups(bh, t, f, e, sms, square=square, element_size=2)
+            ne = -(-e // block_e(f, e, square=square, element_size=2))
+            seg = choose_segment("auto", bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * ne * ns,
+                                 square=square, sms=sms)  # fmt: skip
+            key = (method, bt, ns, seg is None)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(f"{method}:{t}")
+    return jobs
+
+
+def _bench_config(setting: Setting):
+    """The ``BenchConfig`` of the attention stage's maps and shapes (``bench_maps``)."""
+    from polysketch.eval.bench import BenchConfig
+
+    return BenchConfig(heads=setting.heads, sketch_dim=setting.sketch_dim,
+                       plain_pairs=setting.plain_pairs, device=setting.device)  # fmt: skip
+
+
+def _triton_call(setting: Setting, method: str, t: int) -> None:
+    """One forward + backward of the bench's ``method[triton]`` call at length ``t``."""
+    import torch
+    import torch.nn.functional as nnf
+
+    from polysketch.eval.bench.attention import bench_maps
+    from polysketch.ops import linear_attention
+
+    config = _bench_config(setting)
+    fmap = bench_maps(config, torch.device(setting.device))[method]
+    g = torch.Generator().manual_seed(0)
+    q, k = (nnf.layer_norm(torch.randn(1, setting.heads, t, 64, generator=g), (64,))
+            for _ in range(2))  # fmt: skip
+    v = torch.randn(1, setting.heads, t, 64, generator=g)
+    q, k, v = (x.to(setting.device, torch.bfloat16).requires_grad_(True) for x in (q, k, v))
+    out = linear_attention(fmap.query(q), fmap.key(k), v, causal=True, square=fmap.square,
+                           chunk_size=config.chunk_size, algorithm="triton")  # fmt: skip
+    out.float().square().sum().backward()
+    if setting.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _speedups(rows: list[dict]) -> None:

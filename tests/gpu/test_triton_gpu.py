@@ -6,7 +6,7 @@ against twice the error of a bf16 naive, causality, decode, and the memory of a 
 the split layout against the sequential pass (``layout="auto"`` picks split for the few
 heads of most of these calls). The half-precision checks share F = 32, E = 64 and B·H <= 4 (8
 slice groups), so their kernels compile once (``tests/conftest.py``: one launch
-configuration); the default dispatch's own shape (B·H = 12 from 16k: one slice group) is in
+configuration); the default dispatch's own shape (B·H = 12 at 16k: two slice groups) is in
 test_accelerator_gpu.py. Skipped without CUDA.
 """
 

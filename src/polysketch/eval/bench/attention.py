@@ -57,6 +57,7 @@ __all__ = [
     "METHODS",
     "MODES",
     "DTYPES",
+    "bench_maps",
     "method_label",
     "parse_lengths",
     "run_benchmark",
@@ -211,7 +212,9 @@ class _Rows(list):
         self.append(r)
 
 
-def _bench_maps(config: BenchConfig, device) -> dict:
+def bench_maps(config: BenchConfig, device) -> dict:
+    """The feature maps the bench times, drawn from ``config`` (``polysketch``: psf_random's
+    sketch; ``positive``: FAVOR+), on ``device``."""
     d = config.head_dim
     maps = {
         "polysketch": create(
@@ -291,7 +294,7 @@ def _setup(config: BenchConfig) -> _Setup:
         positions = ()  # decoding is inference: measured in mode "fwd"
     return _Setup(
         config, lengths, positions, budget, chunk, device, threads, top_pad,
-        torch.Generator().manual_seed(config.seed), _bench_maps(config, device), timer,
+        torch.Generator().manual_seed(config.seed), bench_maps(config, device), timer,
     )  # fmt: skip
 
 
