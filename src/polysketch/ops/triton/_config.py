@@ -13,7 +13,7 @@ the H100 allows 227 KiB); half-precision square kernels spill at most ~0.7 KB pe
 F >= 128 and fp32 configurations spill KBs (fp32 plain F = 256, dB/dC pass: ~45 KB per thread,
 the worst); the split layout's phase 3 (``INIT``) spills more than the sequential pass in fp32
 plain configurations (up to 3x). At 8 warps (an autotune choice) half kernels spill at most
-~0.7 KB (square: 28 bytes). Not yet run on a GPU.
+~0.7 KB (square: 28 bytes). Run on an H100 (``docs/gpu.md``).
 """
 
 from __future__ import annotations
