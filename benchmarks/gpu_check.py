@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -204,13 +205,7 @@ def _stage_process(name: str, budget: float, out: Path, smoke: bool, log) -> dic
     log.write(f"\n=== {name} (budget {budget:.0f} s): {' '.join(cmd)}\n")
     log.flush()
     t0 = time.monotonic()
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=budget + GRACE)  # fmt: skip
-        output, code, killed = done.stdout + done.stderr, done.returncode, False
-    except subprocess.TimeoutExpired as err:
-        output = _text(err.stdout) + _text(err.stderr)
-        code, killed = None, True
+    output, code, killed = _run_group(cmd, env, budget + GRACE)
     seconds = time.monotonic() - t0
     log.write(output)
     log.flush()
@@ -225,6 +220,25 @@ def _stage_process(name: str, budget: float, out: Path, smoke: bool, log) -> dic
     elif "status" not in result:
         result["status"] = f"failed (exit {code}; see gpu_check.log)"
     return result
+
+
+def _run_group(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | None, bool]:
+    """Run ``cmd`` in its own process group; (stdout + stderr, exit code or None, stopped).
+    At ``timeout`` the whole group is killed (pytest's workers and a stage's warm-up
+    processes with it), so nothing it started keeps the GPU."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return output, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        output, _ = proc.communicate()
+        return _text(output), None, True
 
 
 def _text(data) -> str:
