@@ -32,26 +32,29 @@ from polysketch.eval.bench.decode import (
 )
 
 
-def _llama(device):
+def _llama(device, max_positions=32768):
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688,
                                    num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32768,
+                                   num_key_value_heads=2, max_position_embeddings=max_positions,
                                    tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).to(device).eval()
 
 
-def hf_rows(attentions, positions, *, tokens, warmup, repeats, device, chunk_size):
-    """Rows like ``run_decode_benchmark``'s for a converted Llama (softmax: the original)."""
+def hf_rows(attentions, positions, *, tokens, warmup, repeats, device, chunk_size,
+            progress=None):  # fmt: skip
+    """Rows like ``run_decode_benchmark``'s for a converted Llama (softmax: the original);
+    ``progress(position, runs)`` after each position (default: print to stderr)."""
     import transformers
 
     from polysketch.integrations.transformers import PolysketchCache, convert
 
     models = {}
+    longest = max(32768, max(positions) + warmup + tokens)
     for attention in attentions:
-        models[attention] = _llama(device)
+        models[attention] = _llama(device, max_positions=longest)
         if attention != "softmax":
             convert(models[attention], attention, chunk_size=chunk_size)
 
@@ -75,7 +78,10 @@ def hf_rows(attentions, positions, *, tokens, warmup, repeats, device, chunk_siz
                  for a, m in models.items()}  # fmt: skip
         measured[position] = time_decode(cases, tokens=tokens, warmup=warmup, repeats=repeats,
                                          device=device)  # fmt: skip
-        _progress("hf", position, measured[position])
+        if progress is None:
+            _progress("hf", position, measured[position])
+        else:
+            progress(position, measured[position])
     return rows_of(measured)
 
 

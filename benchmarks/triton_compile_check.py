@@ -131,7 +131,7 @@ def jobs(quick: bool) -> list[Job]:
                 for be, es_ in classes.items():
                     e, also = es_[0], tuple(es_[1:])
                     if label == "decode":
-                        cons = [dict(F=f, E=e, BE=be, SQUARE=square)]
+                        cons = [dict(F=f, E=e, BE=be, SQUARE=square, W=f // 2 + 1)]
                     else:
                         bt = block_t(64, 1 << 20, f, es)
                         prec = "ieee" if dtype == "fp32" else "tf32"

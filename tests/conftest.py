@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One Triton launch configuration per kernel (read when the kernels are defined): on a GPU every
+# kernel compiles once and nothing is autotuned, which keeps tests/gpu inside one short lease
+# (the values do not depend on warps or stages; `make gpu-check`'s bench autotunes fully).
+os.environ.setdefault("POLYSKETCH_TRITON_CONFIGS", "4x1")
+
 # Tests run in parallel (pytest-xdist, one worker per core): one intra-op thread per worker
 # avoids oversubscription, which makes small ops 10-100x slower on a 2-core machine.
 torch.set_num_threads(1)

@@ -206,3 +206,28 @@ def test_time_call_times_blocks_after_a_warm_up():
     assert timing.repeats >= 5 and 0.002 <= timing.fastest <= timing.median < 0.05  # ~0.1 s
     with pytest.raises(ValueError, match="min_repeats"):
         time_call(fn, min_time=0.0, min_repeats=0)
+
+
+def test_algorithms_side_by_side_and_refusals_reported(tmp_path, capsys, monkeypatch):
+    """--algorithms times polysketch/positive once per backend (rows NAME[ALGORITHM]); a
+    backend the dispatcher refuses for the call is a skipped row with its reason."""
+    from polysketch.ops import dispatch
+
+    argv = ["bench", "--quick", "--mode", "train", "--lengths", "64", "--methods",
+            "sdpa,polysketch,psf_mixed", "--algorithms", "chunked,chunked_blocks,cumsum",
+            "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    with (tmp_path / "results.csv").open() as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert list(rows) == ["sdpa", "polysketch", "polysketch[chunked_blocks]",
+                          "polysketch[cumsum]", "psf_mixed"]  # fmt: skip
+    assert all(r["status"] == "ok" for r in rows.values())
+    monkeypatch.setattr(dispatch, "_BACKEND", [None])  # no Triton here
+    argv[argv.index("chunked,chunked_blocks,cumsum")] = "triton"
+    assert cli.main([*argv, "--overwrite"]) == 0
+    with (tmp_path / "results.csv").open() as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert rows["polysketch[triton]"]["status"].startswith('skipped (algorithm="triton" needs')
+    capsys.readouterr()
+    assert cli.main([*argv[:-5], "--algorithms", "flash", "--out", str(tmp_path / "x")]) == 2
+    assert "polysketch bench: error: algorithms" in capsys.readouterr().err

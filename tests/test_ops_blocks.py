@@ -157,6 +157,48 @@ def test_half_operands_within_twice_the_same_dtype_naive_error(dtype, square):
         assert rel_err(mine.double(), exact) <= 2 * rel_err(theirs.double(), exact)
 
 
+def _layer_normed_features(t, h=2, d=64, seed=0):
+    """psf_random's features of LayerNorm'd q, k (|q|² = D = 64) and values, as a model feeds
+    them: degree-2 sketch, r = 32, squared: scores (φq·φk)² ≈ (q·k)⁴ up to ~10⁶."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.layer_norm(torch.randn(1, h, t, d, generator=g), (d,))
+            for _ in range(2))  # fmt: skip
+    v = torch.randn(1, h, t, d, generator=g)
+    fm = features.create("polysketch", d, degree=2, num_features=32, nonnegative=True, seed=0)
+    return fm.query(q), fm.key(k), v
+
+
+def test_fp16_operands_multiply_in_fp32_without_overflow():
+    """fp16 operands, as the accelerator policy passes them: the degree-4 scores (~10⁶), the
+    row sums (~10⁹) and the block sums of pair features exceed fp16's 65504, so the block
+    function multiplies fp16 operands in fp32 (``blocks.gemm_dtype``). Its error against fp64
+    on the same fp16 inputs is then fp32 rounding only: each of num and den is a sum of at most
+    b + F' + n terms (relative error ≤ (b + F' + n)·u32, u32 = 2⁻²⁴, doubled by the ratio and
+    by the feature products), gradients likewise before their final fp16 rounding (≤ u16 =
+    2⁻¹¹ relative, the dtype autograd requires)."""
+    t, chunk = 512, 128
+    phi_q, phi_k, v = _layer_normed_features(t)
+    a, b, c = (x.to(torch.float16) for x in (phi_q, phi_k, v))
+    assert float((a.float() @ b.float().mT).square().max()) > 65504  # the range is exceeded
+    e = c.shape[-1]
+
+    def ours(a, b, c):
+        c1 = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
+        out, _ = blocks_lt_multiply(a, b, c1, square=True, chunk_size=chunk)
+        return out[..., :e] / (out[..., e:] + 1)
+
+    out, grads = grads_of(ours, a, b, c)
+    truth, truth_grads = grads_of(lambda *x: naive_same_dtype(*x, square=True),
+                                  *(x.double() for x in (a, b, c)))  # fmt: skip
+    u32, u16 = 2.0**-24, 2.0**-11
+    bound = 4 * (chunk + state_dim(32, True) + t // chunk) * u32
+    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    assert rel_err(out.double(), truth) <= bound
+    for mine, exact in zip(grads, truth_grads, strict=True):
+        assert mine.dtype == torch.float16 and bool(torch.isfinite(mine).all())
+        assert rel_err(mine.double(), exact) <= u16 + bound
+
+
 def test_backward_stores_inputs_and_block_states_only():
     """Activation memory: inputs + per-block prefix states, nothing of size T·b or T·F'."""
     t, f, e, chunk = 1024, 16, 8, 64

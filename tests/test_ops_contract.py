@@ -231,20 +231,28 @@ def test_the_table_declares_and_the_dispatcher_routes():
         plan("triton", q, k, v, square=True, with_state=True, needs_grad=False)
 
 
-def test_triton_is_opt_in(monkeypatch):
+def test_triton_mode_switch(monkeypatch):
     monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [])
     monkeypatch.delenv("POLYSKETCH_TRITON", raising=False)
-    assert not dispatch.triton_enabled()  # off by default
+    assert dispatch.triton_mode() == "auto" and dispatch.triton_enabled()  # the default
+    for value, mode in (("0", "off"), ("1", "on"), (" Auto ", "auto"), ("", "auto")):
+        monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [])
+        monkeypatch.setenv("POLYSKETCH_TRITON", value)
+        assert dispatch.triton_mode() == mode
     monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [])
-    monkeypatch.setenv("POLYSKETCH_TRITON", "1")
-    assert dispatch.triton_enabled()
+    monkeypatch.setenv("POLYSKETCH_TRITON", "maybe")
+    with pytest.raises(ValueError, match="POLYSKETCH_TRITON"):
+        dispatch.triton_mode()
     dispatch.enable_triton(False)
-    assert not dispatch.triton_enabled()
+    assert dispatch.triton_mode() == "off" and not dispatch.triton_enabled()
     dispatch.enable_triton()
-    assert dispatch.triton_enabled()
+    assert dispatch.triton_mode() == "on"
+    dispatch.enable_triton(None)
+    assert dispatch.triton_mode() == "auto"
     with pytest.raises(TypeError, match="enabled"):
         dispatch.enable_triton("yes")
     # switched on, "chunked" still never picks Triton off CUDA
+    dispatch.enable_triton()
     q = torch.rand(1, 8, 16, dtype=torch.bfloat16)
     v = torch.rand(1, 8, 32, dtype=torch.bfloat16)
     assert dispatch.resolve_algorithm("chunked", q, q, v, square=True, with_state=False) == (

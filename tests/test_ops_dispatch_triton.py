@@ -48,5 +48,5 @@ def test_forced_triton_refusals_name_the_reason():
     q5, k5 = q[..., :5], k[..., :5]
     with pytest.raises(ValueError, match='algorithm="triton" cannot run'):
         linear_attention(q5, k5, v, causal=True, square=True, algorithm="triton")
-    # "chunked" never picks the kernels on CPU, and only half inputs on CUDA
+    # "chunked" never picks the kernels on CPU (CUDA: tests/test_ops_dispatch_default.py)
     assert resolve_algorithm("chunked", q, k, v, square=True, with_state=False) == "chunked_scan"

@@ -127,6 +127,39 @@ def test_half_precision_within_twice_the_same_dtype_naive_error(dtype, square, f
         assert rel_err(x.double(), y) <= 2 * rel_err(h.double(), y), name
 
 
+def test_fp16_inputs_of_layer_normed_features_run_in_fp32():
+    """fp16 features of LayerNorm'd q, k (psf_random's map, D = 64): the squared in-block
+    scores and the carried square state exceed fp16's 65504 (a half kernel casts both to fp16
+    for ``tl.dot``), so fp16 inputs run the fp32 kernels. Judged on the normalized output
+    num / (1 + row_sums) (the unnormalized sums and their gradients, ~1e10, are beyond fp16
+    whatever computes them): against fp64 on the same fp16 inputs, fp32 rounding (≤ 1e-4,
+    the fp32 rule); gradients come back in fp16 (≤ one fp16 rounding, 2⁻¹¹, more)."""
+    from polysketch import features
+
+    g = torch.Generator().manual_seed(0)
+    t, d = 40, 64
+    q, k = (torch.nn.functional.layer_norm(torch.randn(1, t, d, generator=g), (d,))
+            for _ in range(2))  # fmt: skip
+    fm = features.create("polysketch", d, degree=2, num_features=32, nonnegative=True, seed=0)
+    a, b = (x.to(torch.float16) for x in (fm.query(q), fm.key(k)))
+    c = torch.randn(1, t, 64, generator=g).to(torch.float16)
+    assert float((a.float() @ b.float().mT).square().max()) > 65504  # beyond fp16's range
+    w = torch.randn(1, t, 64, generator=g)
+
+    def normalized(fn, dtype):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (a, b, c)]
+        num, rs = fn(*xs, True)
+        out = num / (rs.unsqueeze(-1) + 1)
+        (out * w.to(out.dtype)).sum().backward()
+        return [out.detach(), *(x.grad for x in xs)]
+
+    got = normalized(lambda *x: _kernel(*x, chunk_size=16), torch.float16)
+    ref = normalized(_naive64, torch.float64)
+    for name, x, y in zip(("out", "da", "db", "dc"), got, ref, strict=True):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x.double(), y) <= 1e-4 + (2.0**-11 if name != "out" else 0), name
+
+
 @pytest.mark.parametrize("square,groups", [(False, None), (True, None), (True, 2)])
 def test_causal_outputs_before_t_are_bit_identical(square, groups):
     t, cut = 130, 70  # cut inside the second block: the masked local part and the states
@@ -376,3 +409,18 @@ def test_bad_layout_arguments():
         triton_lt_multiply_with_sums(a, b, c, square=True, layout="parallel")
     with pytest.raises(ValueError, match="segment_length must be a positive int"):
         triton_lt_multiply_with_sums(a, b, c, square=True, segment_length=0)
+
+
+def test_autotune_configs_from_the_environment(monkeypatch):
+    from polysketch.ops.triton._config import CONFIGS_ENV, autotune_configs
+
+    monkeypatch.delenv(CONFIGS_ENV, raising=False)
+    assert autotune_configs() == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    monkeypatch.setenv(CONFIGS_ENV, "4x1")
+    assert autotune_configs() == [(4, 1)]
+    monkeypatch.setenv(CONFIGS_ENV, " 4x2, 8X1 ")
+    assert autotune_configs() == [(4, 2), (8, 1)]
+    for bad in ("4", "3x1", "4x0", "x", "4x1,,"):
+        monkeypatch.setenv(CONFIGS_ENV, bad)
+        with pytest.raises(ValueError, match=CONFIGS_ENV):
+            autotune_configs()

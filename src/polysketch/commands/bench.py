@@ -38,6 +38,7 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
+from ..ops.dispatch import ALGORITHMS
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
 __all__ = ["add_parser", "add_arguments", "run_from_args", "main"]
@@ -77,7 +78,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="bench-results", help="folder for CSV and PNG")
     add_overwrite_argument(parser, "CSV and PNG")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--chunk-size", type=int, default=256, help="block size b")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None,
+        help="block size b (default 256; with --model, a model preset's own where it carries "
+        "one: soft_hash_far_local's 64, which its window needs)",
+    )  # fmt: skip
     parser.add_argument("--min-time", type=float, default=None, help="seconds per measurement")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,6 +95,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}"
     )
+    parser.add_argument(
+        "--algorithms", default="chunked",
+        help="backends the polysketch and positive methods run with, side by side "
+        "(comma-separated; chunked: the default dispatch, e.g. chunked,chunked_blocks,triton)",
+    )  # fmt: skip
     parser.add_argument(
         "--model", action="store_true",
         help="TransformerLM training tokens/s (softmax vs psf_random vs psf_mixed) instead; "
@@ -205,7 +215,7 @@ def _model_config(args) -> ModelBenchConfig:
     config = ModelBenchConfig(
         device=args.device,
         threads=args.threads,
-        chunk_size=check_positive_int(args.chunk_size, "chunk_size"),
+        chunk_size=_chunk_size(args),
         compile=args.compile,
         seed=args.seed,
         progress=not args.no_progress,
@@ -224,6 +234,13 @@ def _model_config(args) -> ModelBenchConfig:
     return config
 
 
+def _chunk_size(args) -> int | None:
+    """``--chunk-size`` checked, or None when not given (the command's default applies)."""
+    if args.chunk_size is None:
+        return None
+    return check_positive_int(args.chunk_size, "chunk_size")
+
+
 def parse_attentions(text: str) -> tuple[str, ...]:
     """``--attentions`` "a,b:k=v,k2=v2,c" -> ("a", "b:k=v,k2=v2", "c"): attention specs
     (``polysketch.eval.attention_spec.split_attentions``), each naming one of
@@ -240,7 +257,7 @@ def _config(args) -> BenchConfig:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         max_memory_gb=check_float(args.max_memory_gb, "max_memory_gb", minimum=0.0),
         threads=args.threads,
-        chunk_size=check_positive_int(args.chunk_size, "chunk_size"),
+        chunk_size=_chunk_size(args) or BenchConfig.chunk_size,
         device=args.device,
         seed=args.seed,
         progress=not args.no_progress,
@@ -248,6 +265,11 @@ def _config(args) -> BenchConfig:
     )
     for name in kw["methods"]:
         check_choice(name, "methods", METHODS)
+    kw["algorithms"] = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    if not kw["algorithms"]:
+        raise ValueError("algorithms must name at least one backend, e.g. chunked")
+    for name in kw["algorithms"]:
+        check_choice(name, "algorithms", ALGORITHMS)
     if args.lengths:
         kw["lengths"] = parse_lengths(args.lengths)
     if args.decode_positions:

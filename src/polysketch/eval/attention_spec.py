@@ -11,15 +11,22 @@ one (``256``, ``1e-3``, ``True``), else strings.
 * ``split_attentions("a,b:x=1,y=2,c")`` -> ("a", "b:x=1,y=2", "c"): a comma-separated list of
   specs, where an item holding ``=`` and no ``:`` continues the spec before it (a name never
   holds ``=``);
-* ``config_options(spec, **defaults)`` -> the ``TransformerConfig`` keywords of the spec.
+* ``config_options(spec, **defaults)`` -> the ``TransformerConfig`` keywords of the spec;
+* ``preset_chunk_size(spec)`` -> the block length a model preset carries for its window.
 """
 
 from __future__ import annotations
 
 from .._checks import parse_key_values
-from ..nn import valid_model_attentions
+from ..nn import MODEL_PRESETS, valid_model_attentions
 
-__all__ = ["MODEL_KEYS", "parse_attention", "split_attentions", "config_options"]
+__all__ = [
+    "MODEL_KEYS",
+    "parse_attention",
+    "split_attentions",
+    "config_options",
+    "preset_chunk_size",
+]
 
 MODEL_KEYS = (
     "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
@@ -81,3 +88,14 @@ def config_options(spec: str, **defaults) -> dict:
     options, over ``defaults`` (e.g. ``chunk_size=64``; the spec's own options win)."""
     name, model_opts, map_kwargs = parse_attention(spec)
     return {**defaults, **model_opts, "attention": name, "map_kwargs": map_kwargs}
+
+
+def preset_chunk_size(spec: str) -> int | None:
+    """The block length ``chunk_size`` of ``spec``: its own ``chunk_size=`` option, else the one
+    its model preset carries (``MODEL_PRESETS[NAME]["chunk_size"]``: soft_hash_far_local's
+    attention reads only the blocks before each query's own, so its block may not exceed its
+    window), else None (the command's default applies)."""
+    name, model_opts, _ = parse_attention(spec)
+    if "chunk_size" in model_opts:
+        return model_opts["chunk_size"]
+    return (MODEL_PRESETS.get(name) or {}).get("chunk_size")

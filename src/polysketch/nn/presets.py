@@ -305,6 +305,7 @@ MODEL_PRESETS: dict[str, dict] = {
         ),
         "attention": "soft_hash_far",
         "local_window": 64,
+        "chunk_size": 64,
         "global_heads": 1,
         "value_fraction": 29 / 32,
         "gradient_surrogate": 50.0,
@@ -315,7 +316,9 @@ MODEL_PRESETS: dict[str, dict] = {
 them), "local_window": the window of the branch beside it, "global_heads": the attention's
 heads (optional; default n_head), "value_fraction": the attention's per-head values as a
 fraction of the model's head dim n_embd / n_head, rounded down (optional; default n_embd /
-heads), "gradient_surrogate": λ of its training-only surrogate gradient (optional; default 0)}
+heads), "gradient_surrogate": λ of its training-only surrogate gradient (optional; default 0),
+"chunk_size": the block its window needs (optional: commands whose own default block is
+longer take it, ``polysketch.eval.attention_spec.preset_chunk_size``)}
 (``TransformerConfig``; each of its fields of the same name, where set, wins)."""
 
 

@@ -36,6 +36,15 @@ Precision: operands of every GEMM are in the operand dtype (``dispatch.operand_d
 on accelerators for bf16/fp16 inputs, so tensor cores run with fp32 accumulation); scores are
 raised to p, masked and summed, states and prefixes accumulated, in the accumulation dtype
 (fp32 for half inputs, else the input dtype). Outputs are in the accumulation dtype.
+
+fp16 operands are multiplied in fp32 (``gemm_dtype``): every GEMM here has an operand or a
+result of degree 2p in the features or summed over a block or a prefix, and fp16 stops at
+65504. With LayerNorm'd q, k (|q|² = D = 64) and a degree-2 sketch, φ·φ ≈ (q·k)² is up to
+4096, the squared scores (q·k)⁴ of one row reach 10⁶, a row's normalizer Σ_j (q·k_j)⁴ ≈ 10¹⁰
+at T = 2048, the pair features ψ = φ_a φ_b ~ 10⁴ and their block sums Σ_t ψ(k_t) v_t ~ 10⁶:
+an fp16 GEMM output or operand overflows to inf and the output is NaN. bf16 has fp32's range
+(its products stay half: tensor cores, fp32 accumulation inside the GEMM). fp16 inputs are
+kept in fp16 (saved for the backward as given) and cast per group.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import torch.nn.functional as nnf
 from .._checks import compute_dtype
 from .pairs import PairFeatures, state_dim
 
-__all__ = ["blocks_lt_multiply", "lt_multiply", "state_dim", "group_blocks_for"]
+__all__ = ["blocks_lt_multiply", "gemm_dtype", "lt_multiply", "state_dim", "group_blocks_for"]
 
 
 class _StateSpace:
@@ -87,6 +96,13 @@ def group_blocks_for(
     return max(1, min(blocks, budget_bytes // max(1, per * lead * itemsize)))
 
 
+def gemm_dtype(operand: torch.dtype, accumulate: torch.dtype) -> torch.dtype:
+    """The dtype the GEMMs of the block function multiply in: the operand dtype, except fp16,
+    whose range (max 65504) cannot hold the degree-2p scores, pair features and block sums
+    (module docstring): those multiply in the accumulation dtype (fp32)."""
+    return accumulate if operand == torch.float16 else operand
+
+
 def _to_blocks(x: torch.Tensor, n: int, blk: int) -> torch.Tensor:
     """(..., T, X) -> (..., n, blk, X), zero rows appended up to n·blk."""
     pad = n * blk - x.shape[-2]
@@ -113,20 +129,20 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square, in_block):
-        acc, od = p0.dtype, a.dtype
+        acc = p0.dtype
+        od = gemm_dtype(a.dtype, acc)
         t, f = a.shape[-2], a.shape[-1]
         blk = max(1, min(chunk_size, t))
         n = -(-t // blk)
         local_inputs = la is not None
         A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
         LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
-        space = _StateSpace(f, square, a)
+        space = _StateSpace(f, square, a.new_empty((), dtype=od))
         tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
         state, outs, prefixes = p0, [], []
         for start in range(0, n, group):
             sl = slice(start, min(n, start + group))
-            ag, bg, cg, lag, lbg = A[..., sl, :, :], B[..., sl, :, :], C[..., sl, :, :], \
-                LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
+            ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
             s = (space.keys(bg).transpose(-1, -2) @ cg).to(acc)  # (..., G, F', E+1)
             prefix = _exclusive_prefix(state, s)
             pod = prefix.to(od)
@@ -148,12 +164,12 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_state):
         a, b, c, la, lb, pods = ctx.saved_tensors
         power, blk, n, group, square, acc, in_block = ctx.config
-        od, t, f = a.dtype, a.shape[-2], a.shape[-1]
+        od, t, f = pods.dtype, a.shape[-2], a.shape[-1]  # the forward's gemm_dtype
         local_inputs = la is not None
         A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
         LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
         dO = _to_blocks(d_out, n, blk)
-        space = _StateSpace(f, square, a)
+        space = _StateSpace(f, square, a.new_empty((), dtype=od))
         tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
         lead = pods.shape[:-3]
         r = (
@@ -165,8 +181,7 @@ class _BlockAttention(torch.autograd.Function):
         starts = list(range(0, n, group))
         for start in reversed(starts):
             sl = slice(start, min(n, start + group))
-            ag, bg, cg, lag, lbg = A[..., sl, :, :], B[..., sl, :, :], C[..., sl, :, :], \
-                LA[..., sl, :, :], LB[..., sl, :, :]  # fmt: skip
+            ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
             dog = dO[..., sl, :, :].to(acc)
             dod = dog.to(od)
             # local: M = lt(G^p), out = M C̃ (none without in-block scores)

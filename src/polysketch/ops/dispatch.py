@@ -23,19 +23,27 @@ backend module adapts itself to it:
 ``BACKENDS`` declares what each can do (take or return a state, an efficient backward, half
 GEMM operands, which shapes); ``plan`` routes around what a backend cannot do:
 
-    "chunked"  -> "chunked_scan" on CPU, "chunked_blocks" on every other device, or
-                  "triton" on CUDA when Triton is switched on (``enable_triton``), the inputs
-                  are bf16/fp16, no state goes in or out, the kernels support the shape, and
-                  the call is not being compiled (inductor fuses chunked_blocks itself)
+    "chunked"  -> "chunked_scan" on CPU, "chunked_blocks" on every other device, except
+                  "triton" on CUDA where the fused kernels were measured faster (below)
     a name     -> that backend on any device ("triton" on CPU needs TRITON_INTERPRET=1); a
                   call it cannot do is refused with the reason (ValueError)
     gradients  -> "chunked_scan" has no backward of its own: calls that need one run the
                   recomputing ``ops.blocks`` function over the same cache-sized groups
 
-Triton is opt-in: its kernels have been tested under Triton's CPU interpreter and compiled for
-sm_90, but never run or timed on a GPU, so no default picks them (README "Backends").
-Switch them on with ``enable_triton()`` or ``POLYSKETCH_TRITON=1`` in the environment (read
-at the first decision); ``algorithm="triton"`` always asks for them explicitly.
+Triton on CUDA (``triton_mode``, from ``POLYSKETCH_TRITON`` or ``enable_triton``):
+
+    "auto" (default)  "chunked" picks the kernels where ``make gpu-check`` measured them faster
+                      than ``chunked_blocks``: bf16 inputs, squared scores with F in
+                      ``TRITON_DEFAULT_FEATURE_DIMS``, T >= ``TRITON_MIN_LENGTH``; decoding
+                      runs the PyTorch step
+    "on"  (=1)        every bf16 call the kernels support, and the fused decode step
+    "off" (=0)        never (``chunked_blocks``); ``algorithm="triton"`` still names them
+
+In every mode the call must have no state in or out, a shape the kernels support, and not be
+traced by ``torch.compile`` (inductor fuses chunked_blocks itself). fp16 and fp32 inputs take
+``chunked_blocks``: the kernels would run in fp32 for both (fp16's range, ``ops.blocks``),
+where they spill registers. A new kernel ships opt-in ("on") and joins "auto" only after
+``make gpu-check`` has passed with it on a GPU and its table shows it faster.
 
 Nothing outside this module branches on the device in the attention path (``ops``,
 ``nn.attention``, ``nn.cache``): memory budgets, operand dtype, the layout, the fused decode
@@ -64,6 +72,11 @@ __all__ = [
     "Backend",
     "Plan",
     "decode_backend",
+    "TRITON_DEFAULT_DTYPES",
+    "TRITON_DEFAULT_FEATURE_DIMS",
+    "TRITON_MIN_LENGTH",
+    "TRITON_MODES",
+    "device_type",
     "enable_triton",
     "group_bytes",
     "group_bytes_for",
@@ -74,6 +87,7 @@ __all__ = [
     "resolve_algorithm",
     "triton_backend",
     "triton_enabled",
+    "triton_mode",
 ]
 
 ALGORITHMS = ("chunked", "chunked_scan", "chunked_blocks", "triton", "cumsum")
@@ -92,8 +106,30 @@ while each kernel is still a large batched one (no host sync either way). Not tu
 
 _HALF = (torch.float16, torch.bfloat16)
 
+TRITON_MIN_LENGTH = 16384
+"""T from which ``"chunked"`` picks the Triton kernels on CUDA by default (``triton_mode()``
+"auto"). It comes from the attention table of ``make gpu-check`` (``benchmarks/gpu_check.py``:
+forward + backward, bf16, B = 1, H = 12, D = 64, psf_random's map, the default dispatch,
+``chunked_blocks`` and ``triton`` side by side at 1k-64k; the figures in ``docs/gpu.md``): the
+shortest length at which ``triton`` was measured faster than ``chunked_blocks``. Lower it to
+the shortest length that table shows faster."""
+
+TRITON_DEFAULT_DTYPES = (torch.bfloat16,)
+"""Input dtypes for which "auto" picks Triton (the measured one; fp16 and fp32 run the fp32
+kernels, unmeasured)."""
+
+TRITON_DEFAULT_FEATURE_DIMS = (32,)
+"""Feature dims F of squared scores for which "auto" picks Triton (psf_random's r = 32, the
+measured map; the other shapes the kernels support run under ``POLYSKETCH_TRITON=1``)."""
+
 
 # ----- device policy ------------------------------------------------------------------------
+def device_type(device: torch.device | str) -> str:
+    """The device kind every decision below reads (``torch.device(device).type``): one
+    function, so tests can present a CPU tensor as a CUDA one to the decisions alone."""
+    return torch.device(device).type
+
+
 def operand_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype of matmul operands for inputs of ``dtype`` on ``device``.
 
@@ -102,14 +138,14 @@ def operand_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
     On CPU half inputs are upcast: CPU BLAS has no fast half GEMM on most machines and fp32
     measured faster here. Other dtypes are unchanged.
     """
-    if dtype in _HALF and torch.device(device).type == "cpu":
+    if dtype in _HALF and device_type(device) == "cpu":
         return torch.float32
     return dtype
 
 
 def layout_for(device: torch.device | str) -> str:
     """The block layout for ``device``: ``"chunked_scan"`` on CPU, else ``"chunked_blocks"``."""
-    return "chunked_scan" if torch.device(device).type == "cpu" else "chunked_blocks"
+    return "chunked_scan" if device_type(device) == "cpu" else "chunked_blocks"
 
 
 def group_bytes(layout: str) -> int | None:
@@ -123,9 +159,15 @@ def group_bytes_for(device: torch.device | str) -> int:
     return group_bytes(layout_for(device))
 
 
-# ----- Triton: optional, opt-in -------------------------------------------------------------
+# ----- Triton: optional; by default where measured faster -----------------------------------
 _BACKEND: list = []  # [module or None], decided once per process (not per call)
-_TRITON_SWITCH: list = []  # [bool] once decided (environment, or enable_triton)
+_TRITON_SWITCH: list = []  # ["auto" | "on" | "off"] once decided (environment, enable_triton)
+TRITON_MODES = ("auto", "on", "off")
+_ENV_WORDS = {
+    "": "auto", "auto": "auto",
+    "1": "on", "true": "on", "on": "on", "yes": "on",
+    "0": "off", "false": "off", "off": "off", "no": "off",
+}  # fmt: skip
 
 
 def triton_backend():
@@ -143,21 +185,33 @@ def triton_backend():
     return _BACKEND[0]
 
 
-def enable_triton(enabled: bool = True) -> None:
-    """Let ``algorithm="chunked"`` and ``linear_attention_step`` pick the Triton kernels on
-    CUDA (``False`` switches them off again). Overrides ``POLYSKETCH_TRITON``."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _TRITON_SWITCH[:] = [enabled]
+def enable_triton(enabled: bool | None = True) -> None:
+    """Set the Triton mode (module docstring): ``True`` "on" (every bf16 call the kernels
+    support, and the fused decode step), ``False`` "off", ``None`` "auto" (the default: where
+    measured faster). Overrides ``POLYSKETCH_TRITON``."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool or None, got {type(enabled).__name__}")
+    _TRITON_SWITCH[:] = ["auto" if enabled is None else "on" if enabled else "off"]
+
+
+def triton_mode() -> str:
+    """The mode, "auto", "on" or "off": ``enable_triton``'s last word, else
+    ``POLYSKETCH_TRITON`` at the first call (unset, empty or auto: "auto"; 1, true, on, yes:
+    "on"; 0, false, off, no: "off"; anything else: ValueError naming the variable)."""
+    if not _TRITON_SWITCH:
+        value = os.environ.get("POLYSKETCH_TRITON", "").strip().lower()
+        if value not in _ENV_WORDS:
+            raise ValueError(
+                f"POLYSKETCH_TRITON must be auto, 1 (on) or 0 (off), got "
+                f"{os.environ['POLYSKETCH_TRITON']!r}"
+            )
+        _TRITON_SWITCH.append(_ENV_WORDS[value])
+    return _TRITON_SWITCH[0]
 
 
 def triton_enabled() -> bool:
-    """Whether automatic choices may pick Triton: ``enable_triton``'s last word, else
-    ``POLYSKETCH_TRITON`` in (1, true, on, yes) at the first call; off by default."""
-    if not _TRITON_SWITCH:
-        value = os.environ.get("POLYSKETCH_TRITON", "0").strip().lower()
-        _TRITON_SWITCH.append(value in ("1", "true", "on", "yes"))
-    return _TRITON_SWITCH[0]
+    """Whether automatic choices may pick Triton at all (``triton_mode()`` is not "off")."""
+    return triton_mode() != "off"
 
 
 def multiprocessor_count(device: torch.device | str) -> int | None:
@@ -254,14 +308,27 @@ def resolve_algorithm(
     layout = layout_for(a.device)
     if (
         layout == "chunked_blocks"
+        and device_type(a.device) == "cuda"
+        and not with_state
         and not torch.compiler.is_compiling()
-        and a.device.type == "cuda"
-        and a.dtype in _HALF  # fp32 kernels spill registers
-        and triton_enabled()
+        and _triton_wanted(a, square)
         and _refusal("triton", a, b, c, square=square, with_state=with_state) is None
     ):
         return "triton"
     return layout
+
+
+def _triton_wanted(a: torch.Tensor, square: bool) -> bool:
+    """Whether the Triton mode asks for the kernels on features ``a`` (module docstring):
+    bf16 always ("on"; fp16 and fp32 would run the spilling fp32 kernels), and in "auto" only
+    the measured squared maps from ``TRITON_MIN_LENGTH`` tokens on."""
+    mode = triton_mode()
+    if mode == "off" or a.dtype not in TRITON_DEFAULT_DTYPES:
+        return False
+    if mode == "on":
+        return True
+    measured = square and a.shape[-1] in TRITON_DEFAULT_FEATURE_DIMS
+    return measured and a.shape[-2] >= TRITON_MIN_LENGTH
 
 
 @dataclass(frozen=True)
@@ -311,11 +378,14 @@ def decode_backend(phi_q, phi_k, v, numerator, denominator, *, square, key_paddi
     """The fused Triton decode step (the ``polysketch.ops.triton`` module) for one token, or
     ``None`` for the PyTorch step (``ops.recurrent``).
 
-    Triton only when switched on (``enable_triton``), on CUDA, for exactly what the PyTorch
-    step computes there: one new token, fp32/bf16/fp16 inputs with fp32 states, no key
-    padding, no gradient, a shape the kernel supports.
+    Triton only in mode "on" (``enable_triton()``, ``POLYSKETCH_TRITON=1``: the step has not
+    been timed on a GPU), on CUDA, for exactly what the PyTorch step computes there: one new
+    token, fp32/bf16/fp16 inputs with fp32 states, no key padding, no gradient, a shape the
+    kernel supports.
     """
-    if not (phi_q.is_cuda and triton_enabled() and key_padding_mask is None):
+    if device_type(phi_q.device) != "cuda" or key_padding_mask is not None:
+        return None
+    if triton_mode() != "on":
         return None
     tensors = (phi_q, phi_k, v, numerator, denominator)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -18,8 +18,8 @@ bf16/fp16 features and values stay half as GEMM operands (tensor cores, fp32 acc
 inside each GEMM) while scores are squared, and states, prefix sums and denominators
 accumulate, in fp32; on CPU and for ``cumsum`` half inputs are upcast to fp32 (faster in CPU
 BLAS). The output is cast back to the input dtype; returned states are in fp32 (the input dtype
-for fp32/fp64). fp16 has a small range: squared scores or states beyond 65504 overflow (prefer
-bf16).
+for fp32/fp64). fp16 operands multiply in fp32 in the block function and the Triton kernels
+(``ops.blocks.gemm_dtype``): fp16's range (65504) cannot hold the squared scores and states.
 """
 
 from __future__ import annotations

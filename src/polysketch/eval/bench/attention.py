@@ -9,10 +9,17 @@ One run measures, on one device and with a fixed thread count, for sequence leng
     the chunked block algorithm (Theorem 3.1, b = 256), feature-map time INCLUDED;
   - ``positive``: a plain (non-squared) map with F = 256, FAVOR+ positive random features with
     m = 128 antithetic pairs (``features.create("positive", D, num_features=128)``), same op;
+* ``algorithms``: the backends ``polysketch`` and ``positive`` run with, side by side
+  (``linear_attention(..., algorithm=)``): ``"chunked"`` is the default dispatch (row
+  ``polysketch``), any other name adds rows ``polysketch[NAME]`` (e.g. ``chunked_blocks``,
+  ``triton``); a backend that cannot run a call is reported ``skipped`` with the dispatcher's
+  reason;
 * **decode**: time of one new token at position P, for ``polysketch`` the features of the new
   token plus ``linear_attention_step`` on the state of a real prefill of P tokens (constant
   size), for ``sdpa`` one query attending a KV cache of P keys (no cache append).
 
+On CUDA each call runs once untimed first (kernel compilation and Triton's autotuning, whose
+timing buffers would count in the peak), then once for the peak memory (``timing.peak_memory``).
 Timing: ``timing.time_call``: ``torch.utils.benchmark.Timer.blocked_autorange`` for
 ``min_time`` seconds after its warm-up (the device synchronised), at least ``min_repeats``
 timed calls; the median time per call is reported. Matmul peak: the median GFLOP/s of an n×n
@@ -37,17 +44,21 @@ import torch.nn.functional as nnf
 from ..._checks import check_choice, check_float, check_positive_int
 from ...features import create
 from ...ops import linear_attention, linear_attention_step, mixed_attention
+from ...ops.dispatch import ALGORITHMS, resolve_algorithm
 from .costs import chunked_flops, chunked_memory, sdpa_flops, sdpa_memory
 from .report import CSV_FIELDS, times_of
 from .timing import MALLOC_TOP_PAD, peak_memory, set_malloc_top_pad, time_call
 
 __all__ = [
     "BenchConfig",
+    "ALGORITHM_METHODS",
     "DEFAULT_LENGTHS",
     "QUICK_LENGTHS",
     "METHODS",
     "MODES",
     "DTYPES",
+    "bench_maps",
+    "method_label",
     "parse_lengths",
     "run_benchmark",
 ]
@@ -56,6 +67,8 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 METHODS = ("sdpa", "polysketch", "positive", "psf_mixed")
 """``sdpa`` (FlashAttention on CUDA for half inputs), ``polysketch`` (psf_random's attention),
 ``positive`` (FAVOR+, F = 256), ``psf_mixed`` (exact (q·k)^4 inside blocks, the sketch before)."""
+ALGORITHM_METHODS = ("polysketch", "positive")
+"""Methods run by ``linear_attention``, so timed once per entry of ``BenchConfig.algorithms``."""
 MODES = ("fwd", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUICK_LENGTHS = (128, 256, 512)
@@ -86,12 +99,28 @@ class BenchConfig:
     mode: str = "fwd"  # "fwd": forward (inference mode) + decode; "train": forward + backward
     dtype: str = "fp32"  # "fp32" | "bf16" | "fp16" inputs (the ops' precision policy applies)
     methods: Sequence[str] = METHODS
+    algorithms: Sequence[str] = ("chunked",)  # backends of ALGORITHM_METHODS, side by side
 
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
         base = dict(lengths=QUICK_LENGTHS, min_time=0.0, min_repeats=1, matmul_n=1024)
         base.update(overrides)
         return cls(**base)
+
+
+def method_label(method: str, algorithm: str) -> str:
+    """The row name of ``method`` run with ``algorithm``: the method for the default dispatch
+    (``"chunked"``), else ``method[algorithm]``."""
+    return method if algorithm == "chunked" else f"{method}[{algorithm}]"
+
+
+def _timed(config: BenchConfig) -> list[tuple[str, str, str]]:
+    """(row label, method, algorithm) of every timed method, in the configured order."""
+    out = []
+    for method in config.methods:
+        algorithms = config.algorithms if method in ALGORITHM_METHODS else ("chunked",)
+        out += [(method_label(method, a), method, a) for a in algorithms]
+    return out
 
 
 def parse_lengths(text: str | Sequence) -> tuple[int, ...]:
@@ -126,10 +155,11 @@ def _sdpa_forward(q, k, v):
     return nnf.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _ours_forward(fmap, q, k, v, chunk_size):
+def _ours_forward(fmap, q, k, v, chunk_size, algorithm="chunked"):
     return linear_attention(
-        fmap.query(q), fmap.key(k), v, causal=True, square=fmap.square, chunk_size=chunk_size
-    )
+        fmap.query(q), fmap.key(k), v, causal=True, square=fmap.square, chunk_size=chunk_size,
+        algorithm=algorithm,
+    )  # fmt: skip
 
 
 def _mixed_forward(fmap, q, k, v, chunk_size):
@@ -182,7 +212,9 @@ class _Rows(list):
         self.append(r)
 
 
-def _bench_maps(config: BenchConfig, device) -> dict:
+def bench_maps(config: BenchConfig, device) -> dict:
+    """The feature maps the bench times, drawn from ``config`` (``polysketch``: psf_random's
+    sketch; ``positive``: FAVOR+), on ``device``."""
     d = config.head_dim
     maps = {
         "polysketch": create(
@@ -208,6 +240,10 @@ def run_benchmark(config: BenchConfig) -> dict:
     check_choice(config.dtype, "dtype", list(DTYPES))
     for name in config.methods:
         check_choice(name, "methods", METHODS)
+    if not config.algorithms:
+        raise ValueError("algorithms must name at least one backend, e.g. chunked")
+    for name in config.algorithms:
+        check_choice(name, "algorithms", ALGORITHMS)
     previous_threads = torch.get_num_threads()
     try:
         if config.mode == "train":
@@ -258,7 +294,7 @@ def _setup(config: BenchConfig) -> _Setup:
         positions = ()  # decoding is inference: measured in mode "fwd"
     return _Setup(
         config, lengths, positions, budget, chunk, device, threads, top_pad,
-        torch.Generator().manual_seed(config.seed), _bench_maps(config, device), timer,
+        torch.Generator().manual_seed(config.seed), bench_maps(config, device), timer,
     )  # fmt: skip
 
 
@@ -267,9 +303,10 @@ def _run(config: BenchConfig) -> dict:
 
     run = _setup(config)
     section = "train" if config.mode == "train" else "forward"
-    ours = [m for m in config.methods if m != "sdpa"]
+    timed = _timed(config)
+    ours = [label for label, method, _ in timed if method != "sdpa"]
     decoded = {k: m for k, m in run.maps.items() if k in config.methods}  # with a decode state
-    steps = 1 + len(run.lengths) * len(config.methods) + len(run.positions) * (1 + len(decoded))
+    steps = 1 + len(run.lengths) * len(timed) + len(run.positions) * (1 + len(decoded))
     bar = tqdm(total=steps, desc="bench", disable=not config.progress, file=sys.stderr)
 
     n = config.matmul_n
@@ -306,21 +343,30 @@ def _measure_length(run: _Setup, t: int, section: str, rows: _Rows, bar) -> None
         "polysketch": partial(_ours_forward, maps["polysketch"], chunk_size=chunk),
         "positive": partial(_ours_forward, maps["positive"], chunk_size=chunk),
         "psf_mixed": partial(_mixed_forward, maps["polysketch"], chunk_size=chunk),
-    }
+    }  # ALGORITHM_METHODS take algorithm= as well
     # LayerNorm'd q, k (as the models feed them), in the benchmarked dtype
     q, k = (nnf.layer_norm(run.randn(bsz, h, t, d), (d,)).to(dtype) for _ in range(2))
     v = run.randn(bsz, h, t, e).to(dtype)
     grad = run.randn(bsz, h, t, e).to(dtype) if train else None
     if train:
         q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-    for method in config.methods:
+    for label, method, algorithm in _timed(config):
         forward = forwards[method]
+        if method in ALGORITHM_METHODS:
+            forward = partial(forward, algorithm=algorithm)
         fn = partial(_train_step, forward, q, k, v, grad) if train else partial(forward, q, k, v)
         fmap = None if method == "sdpa" else maps["polysketch" if method == "psf_mixed" else method]
         if method == "sdpa" and bsz * h * t * t * 4 > run.budget and _sdpa_uses_math(q):
-            rows.add(section, method, t, "skipped (memory)")
+            rows.add(section, label, t, "skipped (memory)")
             bar.update()
             continue
+        refusal = _refusal(fmap, q, k, v, algorithm) if method in ALGORITHM_METHODS else None
+        if refusal is not None:
+            rows.add(section, label, t, f"skipped ({refusal})", fmap=fmap)
+            bar.update()
+            continue
+        if run.device.type == "cuda":  # compiling and autotuning stay out of the peak memory
+            fn()
         measured = peak_memory(fn, run.device)
         mem, flop = None, None
         if measured is not None:
@@ -336,8 +382,24 @@ def _measure_length(run: _Setup, t: int, section: str, rows: _Rows, bar) -> None
             flop = (
                 bsz * h * chunked_flops(t, feature_dim=f, value_dim=e, chunk_size=chunk, square=sq)
             )
-        rows.add(section, method, t, "ok", run.time(fn), flop, mem, fmap)
+        rows.add(section, label, t, "ok", run.time(fn), flop, mem, fmap)
         bar.update()
+
+
+def _refusal(fmap, q, k, v, algorithm: str) -> str | None:
+    """Why the dispatcher would refuse ``algorithm`` on this call (None: it runs)."""
+    if algorithm == "chunked":
+        return None
+    with torch.no_grad():
+        phi_q, phi_k = fmap.query(q[..., :1, :]), fmap.key(k[..., :1, :])
+    lead, t = q.shape[:-2], q.shape[-2]
+    a = phi_q.expand(*lead, t, phi_q.shape[-1])  # the call's shape, no T-sized memory
+    try:
+        resolve_algorithm(algorithm, a, phi_k.expand_as(a), v, square=fmap.square,
+                          with_state=False)  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _measure_decode(run: _Setup, p: int, decoded: dict, rows: _Rows, bar) -> None:
@@ -373,7 +435,8 @@ def _summarize(rows, lengths, ours: list[str], section: str = "forward") -> dict
     for name in ours:
         mine = times_of(rows, section, name)
         for r in rows:
-            if r["section"] == section and r["method"] == name and r["T"] in sdpa:
+            if r["section"] == section and r["method"] == name and r["T"] in sdpa \
+                    and r["status"] == "ok":  # fmt: skip
                 r["speedup_vs_sdpa"] = sdpa[r["T"]] / r["median_ms"]
         faster = [t for t in lengths if t in sdpa and t in mine and mine[t] < sdpa[t]]
         big = [t for t in lengths if t >= 4096 and t in mine]

@@ -23,7 +23,7 @@ import torch
 from ..._checks import check_choice, check_positive_int
 from ..._files import write_csv
 from ...nn import TransformerConfig, TransformerLM
-from ..attention_spec import config_options
+from ..attention_spec import config_options, parse_attention, preset_chunk_size
 from ..plots import log_axes, save_png, subplots
 from .attention import parse_lengths
 from .report import _fmt
@@ -40,8 +40,11 @@ __all__ = [
 
 MODEL_FIELDS = (
     "attention", "T", "status", "step_ms", "tokens_per_s", "x_softmax", "mem_mib",
-    "first_step_s", "repeats",
+    "first_step_s", "repeats", "chunk_size",
 )  # fmt: skip
+
+DEFAULT_CHUNK = 256
+"""The block length b of attentions without one of their own (PolySketchFormer's 256)."""
 
 CPU_CONTEXTS = (1024, 2048, 4096, 8192)
 CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -56,7 +59,7 @@ class ModelBenchConfig:
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
-    chunk_size: int = 256
+    chunk_size: int | None = None  # None: the preset's own (``chunk_for``), else DEFAULT_CHUNK
     batch: int = 1
     amp: str | None = None  # "bf16": autocast (the default on CUDA)
     compile: str | None = None  # a torch.compile backend
@@ -88,15 +91,27 @@ class ModelBenchConfig:
         if out.compile is not None:
             check_choice(out.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
         check_positive_int(out.batch, "batch")
-        check_positive_int(out.chunk_size, "chunk_size")
+        if out.chunk_size is not None:
+            check_positive_int(out.chunk_size, "chunk_size")
         return out
+
+    def chunk_for(self, attention: str) -> int:
+        """The block length ``attention`` runs with: the spec's ``chunk_size=``, else
+        ``chunk_size`` when given, else the model preset's own (``preset_chunk_size``: e.g.
+        soft_hash_far_local's 64, which its window needs), else ``DEFAULT_CHUNK``."""
+        name, model_opts, _ = parse_attention(attention)
+        if "chunk_size" in model_opts:
+            return model_opts["chunk_size"]
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return preset_chunk_size(attention) or DEFAULT_CHUNK
 
 
 def _model_config(cfg: ModelBenchConfig, attention: str, t: int) -> TransformerConfig:
     """The TransformerConfig that ``attention`` is timed with at length ``t``."""
     return TransformerConfig(
         vocab_size=256, block_size=t, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-        seed=cfg.seed, **config_options(attention, chunk_size=cfg.chunk_size),
+        seed=cfg.seed, **config_options(attention, chunk_size=cfg.chunk_for(attention)),
     ).validate()  # fmt: skip
 
 
@@ -141,7 +156,7 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
             for t in cfg.contexts:
                 bar.set_postfix_str(f"{attention} T={t}")
                 row = dict.fromkeys(MODEL_FIELDS, "")
-                row.update(attention=attention, T=t)
+                row.update(attention=attention, T=t, chunk_size=cfg.chunk_for(attention))
                 model = TransformerLM(_model_config(cfg, attention, t)).to(device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 runner = model if cfg.compile is None else torch.compile(model, backend=cfg.compile)
@@ -193,6 +208,14 @@ _COLUMNS = {
 }
 
 
+def _chunks(cfg: ModelBenchConfig) -> str:
+    """The block length(s) of the timed attentions: one number, or each where they differ."""
+    chunks = {a: cfg.chunk_for(a) for a in cfg.attentions}
+    if len(set(chunks.values())) == 1:
+        return str(next(iter(chunks.values())))
+    return "(" + ", ".join(f"{a} {c}" for a, c in chunks.items()) + ")"
+
+
 def format_model_report(result: dict) -> str:
     """The table of ``run_model_benchmark``'s rows with the model and settings."""
     cfg = result["config"]
@@ -200,7 +223,7 @@ def format_model_report(result: dict) -> str:
     lines = [
         f"TransformerLM training steps on {cfg.device} "
         f"({result.get('threads', torch.get_num_threads())} threads): "
-        f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {cfg.chunk_size}, "
+        f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {_chunks(cfg)}, "
         f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}",
         "",
         f"{'attention':<{width}} {'T':>6} {'step ms':>10} {'tokens/s':>10} {'x softmax':>9} "

@@ -69,6 +69,7 @@ def _fmt(value, spec: str) -> str:
 def format_report(result: dict) -> str:
     """Human-readable tables and the summary of ``run_benchmark``'s result."""
     cfg = result["config"]
+    width = max([11, *(len(str(r["method"])) for r in result["rows"])])
     lines = [
         f"device {result['device']}, torch.set_num_threads({result['threads']}), "
         f"mode {getattr(cfg, 'mode', 'fwd')} "
@@ -83,14 +84,15 @@ def format_report(result: dict) -> str:
             else "as found (no mallopt)"
         ),
         "",
-        f"{'section':<8} {'method':<11} {'T':>6} {'median ms':>10} {'min ms':>10} {'x SDPA':>7} "
+        f"{'section':<8} {'method':<{width}} {'T':>6} {'median ms':>10} {'min ms':>10} "
+        f"{'x SDPA':>7} "
         f"{'GFLOP/s':>8} "
         f"{'%peak':>6} {'MiB':>9} {'(mem)':<8} status",
     ]
     for r in result["rows"]:
         c = {k: _fmt(r[k], spec) for k, spec in _COLUMNS.items()}
         lines.append(
-            f"{r['section']:<8} {r['method']:<11} {r['T']:>6} {c['median_ms']:>10} "
+            f"{r['section']:<8} {r['method']:<{width}} {r['T']:>6} {c['median_ms']:>10} "
             f"{c['min_ms']:>10} {c['speedup_vs_sdpa']:>7} {c['gflops_per_s']:>8} "
             f"{c['pct_of_peak']:>6} {c['mem_mib']:>9} {r['mem_kind']:<8} {r['status']}"
         )

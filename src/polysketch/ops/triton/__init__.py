@@ -92,7 +92,11 @@ def triton_lt_multiply_with_sums(
     interpreter): NS = 1 and no automatic split. L defaults to
     the smallest 1024·2^k whose fp32 segment states stay within 256 MiB; a given
     ``segment_length`` is rounded up to a multiple of BT; T <= L runs the sequential pass.
-    Neither layout has been timed on a GPU (``benchmarks/triton_layouts.py`` times both).
+    Both layouts were timed on an H100 (``benchmarks/triton_layouts.py``; ``docs/gpu.md``).
+
+    fp16 inputs run the fp32 kernels: the in-block scores (A·B)² and the carried states that
+    the half kernels feed back into ``tl.dot`` as half operands exceed fp16's 65504 for
+    LayerNorm'd q, k (bf16 has fp32's range); gradients are returned in fp16.
 
     ``chunk_size`` is the block length BT of Theorem 3.1, rounded to the largest power of two
     <= chunk_size in [16, 64] (32 for fp32 inputs: register budget) and no longer than T

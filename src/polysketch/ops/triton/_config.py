@@ -13,17 +13,27 @@ the H100 allows 227 KiB); half-precision square kernels spill at most ~0.7 KB pe
 F >= 128 and fp32 configurations spill KBs (fp32 plain F = 256, dB/dC pass: ~45 KB per thread,
 the worst); the split layout's phase 3 (``INIT``) spills more than the sequential pass in fp32
 plain configurations (up to 3x). At 8 warps (an autotune choice) half kernels spill at most
-~0.7 KB (square: 28 bytes). Not yet run on a GPU.
+~0.7 KB (square: 28 bytes). Run on an H100 (``docs/gpu.md``).
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 
 from ._validate import interpreting
 
-__all__ = ["block_t", "block_e", "slice_groups", "segment_length", "tuned", "mma"]
+__all__ = [
+    "autotune_configs",
+    "block_t",
+    "block_e",
+    "slice_groups",
+    "segment_length",
+    "tuned",
+    "mma",
+]
 
 MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 MAX_BLOCK = 64  # 128-row blocks: (128, 128) fp32 scores spilled registers (sm_90)
@@ -101,9 +111,38 @@ def segment_length(
     return seg
 
 
+WARPS = (4, 8)
+STAGES = (1, 2)
+CONFIGS_ENV = "POLYSKETCH_TRITON_CONFIGS"
+"""Environment variable naming the (warps, stages) the autotuner tries, as ``WxS[,WxS...]``
+(e.g. ``4x1``): one config is compiled and launched without timing. ``tests/gpu`` sets one
+(cheap tests: every kernel compiles once); unset, every pair of ``WARPS`` × ``STAGES``."""
+
+
+def autotune_configs() -> list[tuple[int, int]]:
+    """The (num_warps, num_stages) pairs ``tuned`` gives the autotuner (``CONFIGS_ENV``);
+    ValueError naming the variable for a malformed value."""
+    text = os.environ.get(CONFIGS_ENV, "").strip()
+    if not text:
+        return [(w, s) for w in WARPS for s in STAGES]
+    pairs = []
+    for item in text.split(","):
+        warps, _, stages = item.strip().lower().partition("x")
+        if not (warps.isdigit() and stages.isdigit()) or int(warps) not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"{CONFIGS_ENV} must be WARPSxSTAGES[,...] with warps in 1, 2, 4, 8, 16 and "
+                f"stages >= 1 (e.g. 4x1), got {text!r}"
+            )
+        if int(stages) < 1:
+            raise ValueError(f"{CONFIGS_ENV}: stages must be >= 1, got {text!r}")
+        pairs.append((int(warps), int(stages)))
+    return pairs
+
+
 def tuned():
-    """``triton.autotune`` over warps and pipeline stages (key: the shape constexprs), or
-    nothing under the interpreter (one plain launch with 4 warps, nothing to time).
+    """``triton.autotune`` over warps and pipeline stages (``autotune_configs``; key: the
+    shape constexprs), or nothing under the interpreter (one plain launch with 4 warps,
+    nothing to time).
 
     The kernels zero their own scratch state, except the split layout's phase 3 (``INIT``),
     which starts from and updates its slots of ``STATE`` in place: the autotuner restores
@@ -113,7 +152,7 @@ def tuned():
     def wrap(kernel):
         if interpreting():
             return kernel
-        configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+        configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in autotune_configs()]
         key = ["F", "E", "BT", "BE", "SQUARE", "NS", "INIT", "STATE_ONLY"]
         return triton.autotune(configs=configs, key=key, restore_value=["STATE"])(kernel)
 

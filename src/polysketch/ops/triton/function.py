@@ -54,6 +54,8 @@ def lt_multiply_with_sums(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     lead, t, f, e = a.shape[:-2], a.shape[-2], a.shape[-1], c.shape[-1]
+    if a.dtype == torch.float16:  # fp16's range cannot hold the scores and states: fp32
+        a, b, c = (x.float() for x in (a, b, c))  # kernels (gradients come back as fp16)
     flat = [x.reshape(-1, t, x.shape[-1]).contiguous() for x in (a, b, c)]
     bh = flat[0].shape[0]
     if groups is None:

@@ -1,0 +1,60 @@
+"""``make gpu-check``'s driver (benchmarks/gpu_check.py) as a CPU dry run (``--smoke``: tiny
+shapes, Triton under its interpreter), so that the one command a GPU lease runs cannot rot:
+every stage in its own process, the one folder of at most 8 files, the summary printed last,
+the exit status, and graceful degradation (a stage past its budget is stopped and recorded,
+and the stages after it still run)."""
+
+import csv
+
+import gpu_check
+
+
+def _rows(path):
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_smoke_run_writes_one_folder_and_prints_the_summary_last(tmp_path, capsys):
+    out = tmp_path / "check"
+    assert gpu_check.main(["--smoke", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = (out / "summary.md").read_text()
+    assert printed.rstrip().endswith(summary.rstrip())  # the summary is printed last
+    assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.FILES)
+    assert len(gpu_check.FILES) <= 8
+    for stage in gpu_check.STAGES:
+        assert f"| {stage} | ok |" in summary
+    tests = _rows(out / "tests.csv")  # no CUDA here: every GPU test is skipped, none fails
+    assert tests and all(r["outcome"] == "skipped" for r in tests)
+    attention = {r["method"]: r for r in _rows(out / "attention.csv")}
+    assert set(attention) == {"sdpa", "polysketch", "polysketch[chunked_blocks]",
+                              "polysketch[triton]", "positive", "positive[triton]"}  # fmt: skip
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in attention.values())
+    assert attention["polysketch"]["picked"] == "chunked_scan"  # the default dispatch on CPU
+    model = _rows(out / "model.csv")
+    assert [r["attention"] for r in model] == list(gpu_check.ATTENTIONS)
+    assert all(r["status"] == "ok" and float(r["x_softmax"]) > 0 for r in model)
+    assert {r["attention"]: r["chunk_size"] for r in model}["soft_hash_far_local"] == "64"
+    decode = _rows(out / "decode.csv")
+    assert {(r["model"], r["attention"]) for r in decode} == {
+        *(("TransformerLM", a) for a in gpu_check.ATTENTIONS),
+        ("converted Llama", "softmax"), ("converted Llama", "psf_random"),
+    }  # fmt: skip
+    for table in ("## tests/gpu", "## Attention training", "## Model training", "## Decoding"):
+        assert table in summary
+    assert "Triton faster than chunked_blocks at T =" in summary
+    # the folder is refused when not empty, unless --overwrite
+    assert gpu_check.main(["--smoke", "--out", str(out)]) == 2
+
+
+def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path, monkeypatch):
+    out = tmp_path / "check"
+    monkeypatch.setattr(gpu_check, "STAGES", ("attention", "model"))  # no tests: exit 1
+    monkeypatch.setattr(gpu_check, "SHARES", {"attention": 0.5, "model": 300.0})
+    monkeypatch.setattr(gpu_check, "GRACE", 0.0)
+    assert gpu_check.main(["--smoke", "--out", str(out), "--budget", "300.5"]) == 1
+    summary = (out / "summary.md").read_text()
+    assert "| attention | stopped at 0 s (budget 0 s + grace) |" in summary
+    assert "| model | ok |" in summary
+    assert "0 passed, 0 failed, 0 error, 0 skipped (not run" in summary
+    assert all(r["status"] == "ok" for r in _rows(out / "model.csv"))
