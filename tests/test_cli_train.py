@@ -275,7 +275,7 @@ def test_train_and_generate_with_the_far_preset_and_its_surrogate(tmp_path, caps
     state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
     assert state["model_config"]["attention"] == "soft_hash_far_local"
     preset = MODEL_PRESETS["soft_hash_far_local"]  # its λ, written out (stored_model_config)
-    assert state["model_config"]["gradient_surrogate"] == preset["gradient_surrogate"]
+    assert state["model_config"]["gradient_surrogate"] == preset.gradient_surrogate
     assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "abcdefghijk",
                  "--max-new-tokens", "3"]) == 0  # fmt: skip
     capsys.readouterr()

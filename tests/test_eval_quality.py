@@ -4,7 +4,7 @@ import pytest
 from experiments.quality import compare, quality_table, remedy_attentions
 
 from polysketch.data.corpus import load_corpus
-from polysketch.nn.presets import valid_attentions
+from polysketch.nn.resolve import valid_attentions
 from polysketch.nn.transformer import TransformerConfig
 from polysketch.train.loop import TrainConfig
 

@@ -131,7 +131,7 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     model = tiny("llama")
     convert(model, "psf_learned", mixed=True, degree=8, chunk_size=8)
     core = model.model.layers[0].self_attn.polysketch
-    assert core.algorithm == "mixed" and core.degree == 8
+    assert core.form == "mixed" and core.degree == 8
     x = ids(t=27)
     y = x.clone()
     y[:, 13:] = (y[:, 13:] + 1) % V
@@ -155,7 +155,7 @@ def test_mixed_form_with_hedgehog_takes_the_local_degree_and_decodes():
     model = tiny("llama")
     convert(model, "hedgehog", mixed=True, degree=8, chunk_size=8)
     core = model.model.layers[0].self_attn.polysketch
-    assert core.algorithm == "mixed" and core.degree == 8
+    assert core.form == "mixed" and core.degree == 8
     assert core.q_norm is not None and core.denominator_offset == 1.0
     assert not hasattr(core.feature_map.head_map(0), "degree")
     x = ids(t=27)
@@ -173,7 +173,7 @@ def test_mixed_form_with_hedgehog_takes_the_local_degree_and_decodes():
     plain = tiny("llama")
     convert(plain, "hedgehog", chunk_size=8)
     core = plain.model.layers[0].self_attn.polysketch
-    assert core.algorithm == "linear" and core.q_norm is None and core.denominator_offset == 0
+    assert core.form == "linear" and core.q_norm is None and core.denominator_offset == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])

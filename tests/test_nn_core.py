@@ -70,7 +70,7 @@ def test_layer_and_transformers_adapter_share_one_core(attention, kw):
     pytest.importorskip("transformers")
     layer = _layer(attention, rope=False, **kw)  # no RoPE: the norm's place does not matter
     core = _adapter(layer, attention, kw)
-    assert isinstance(core, AttentionCore) and core.algorithm == layer.algorithm
+    assert isinstance(core, AttentionCore) and core.form == layer.form
     x = torch.randn(2, 11, E, generator=seeded(1), dtype=torch.float64)
     keep = torch.ones(2, 11, dtype=torch.bool)
     keep[0, :3] = False
@@ -181,12 +181,12 @@ def test_layer_under_autocast_keeps_half_operands_with_qk_norm(accelerator_polic
 # ----- mixed attention with any map, learned balance, ablation -------------------------------
 def test_one_spelling_for_mixed_attention():
     layer = _layer("hedgehog", mixed=True, degree=6)
-    assert layer.algorithm == "mixed" and layer.degree == 6
+    assert layer.form == "mixed" and layer.degree == 6
     assert layer.q_norm is not None and layer.denominator_offset == 1.0
     cfg = TransformerConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=16, attention="llops",
                             mixed=True, chunk_size=4)  # fmt: skip
     model = TransformerLM(cfg)
-    assert model.blocks[0].attn.algorithm == "mixed"
+    assert model.blocks[0].attn.form == "mixed"
     preset, spelled = _layer("psf_mixed"), _layer("polysketch", mixed=True, output_scale=32**-0.5)
     spelled.load_state_dict(preset.state_dict())
     x = torch.randn(2, 9, E, generator=seeded(0), dtype=torch.float64)
@@ -253,7 +253,7 @@ def test_ablate_global_leaves_block_local_exact_attention():
 @pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
 def test_sliding_window_layer(kernel):
     layer = _layer("sliding_window", window=5, kernel=kernel, rope=False)
-    assert layer.algorithm == "window" and (layer.q_norm is not None) == (kernel == "polynomial")
+    assert layer.form == "window" and (layer.q_norm is not None) == (kernel == "polynomial")
     x = torch.randn(2, 17, E, generator=seeded(5), dtype=torch.float64)
     q, k, v = _project(layer, x)
     if layer.q_norm is not None:

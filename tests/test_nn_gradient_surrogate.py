@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polysketch.nn import KernelAttention, TransformerConfig, TransformerLM
+from polysketch.nn import KernelAttention, TransformerConfig, TransformerLM, resolve_attention
 from polysketch.nn.core import AttentionCore
 from polysketch.ops.mixed import naive_mixed_attention
 
@@ -14,9 +14,10 @@ MAP = {"num_features": 12}
 
 
 def _cores(lam):
-    shape = dict(qk_dim=8, num_heads=2, value_dim=5, chunk_size=4, **MAP)
-    plain = AttentionCore("soft_hash_far", **shape).double()
-    with_surrogate = AttentionCore("soft_hash_far", gradient_surrogate=lam, **shape).double()
+    shape = dict(qk_dim=8, num_heads=2, value_dim=5, chunk_size=4)
+    plain = AttentionCore(resolve_attention("soft_hash_far", 8, MAP), **shape).double()
+    spec = resolve_attention("soft_hash_far", 8, MAP, gradient_surrogate=lam)
+    with_surrogate = AttentionCore(spec, **shape).double()
     with_surrogate.load_state_dict(plain.state_dict())
     return plain, with_surrogate
 

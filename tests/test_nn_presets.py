@@ -7,7 +7,7 @@ import torch
 
 from polysketch.features import available
 from polysketch.nn import PRESETS, KernelAttention, valid_attentions
-from polysketch.nn.presets import resolve_attention
+from polysketch.nn.resolve import resolve_attention
 
 KEY_WORDS = {
     "psf_random": ["LayerNorm", "Gaussian", "degree-2", "r = 32", "nonnegative", "1 + Σ", "256"],
@@ -43,7 +43,7 @@ def test_each_preset_builds_and_describes_itself(name):
         assert word in desc, (name, word)
     settings = PRESETS[name]["settings"]
     layer = KernelAttention(16, 2, attention=name, chunk_size=4, **NEEDS.get(name, {}))
-    assert layer.algorithm == settings["algorithm"]
+    assert layer.form == settings["form"]
     assert (layer.q_norm is not None) == settings["qk_norm"]
     assert layer.denominator_offset == settings["denominator_offset"]
     if "feature_map" in settings:
@@ -60,7 +60,7 @@ def test_each_preset_builds_and_describes_itself(name):
 def test_defaults_by_map_kind_and_overrides():
     d = 8
     poly = resolve_attention("tensorsketch", d, {})
-    assert poly.qk_norm and poly.denominator_offset == 1.0 and poly.algorithm == "linear"
+    assert poly.qk_norm and poly.denominator_offset == 1.0 and poly.form == "linear"
     soft = resolve_attention("trig", d, {})
     assert not soft.qk_norm and soft.denominator_offset == 0.0
     assert soft.map_kwargs["scale"] == pytest.approx(1 / math.sqrt(d))
@@ -102,7 +102,7 @@ def test_soft_hash_preset_sets_the_screened_configuration():
     # The configuration measured on the repeat probe (docs/results/long_context/screens/):
     # soft_hash, F = 1024, τ from 4, LayerNorm on q/k, normalizer Σ, plain linear attention.
     spec = resolve_attention("soft_hash_1k", 64, {})
-    assert (spec.algorithm, spec.feature_map, spec.qk_norm) == ("linear", "soft_hash", True)
+    assert (spec.form, spec.feature_map, spec.qk_norm) == ("linear", "soft_hash", True)
     assert spec.denominator_offset == 0.0
     assert spec.map_kwargs == {"num_features": 1024, "temperature": 4.0}
     layer = KernelAttention(128, 2, attention="soft_hash_1k")
@@ -115,7 +115,7 @@ def test_soft_hash_far_reads_earlier_blocks_only_and_refuses_what_it_lacks():
     sees nothing of its own block, the first block's outputs are 0; it has no degree to set
     and no local blocks to balance."""
     spec = resolve_attention("soft_hash_far", 8, {})
-    assert (spec.algorithm, spec.local, spec.denominator_offset) == ("mixed", "none", 0.0)
+    assert (spec.form, spec.local, spec.denominator_offset) == ("mixed", "none", 0.0)
     layer = KernelAttention(16, 2, attention="soft_hash_far", chunk_size=4, num_features=12)
     x = torch.randn(1, 10, 16)
     y = layer(x)

@@ -172,7 +172,7 @@ def test_local_window_block_sums_two_branches_and_ablation_keeps_the_window():
 
     model = _model("psf_random", local_window=3).double()
     block = model.blocks[0]
-    assert block.local_attn.algorithm == "window" and block.local_attn.window == 3
+    assert block.local_attn.form == "window" and block.local_attn.window == 3
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     h = block.ln_1(x)
     mid = x + block.attn(h) + block.local_attn(h)
@@ -218,7 +218,7 @@ def test_soft_hash_local_model_preset_is_one_soft_hash_512_head_at_temperature_8
     spelled = TransformerLM(TransformerConfig(attention="soft_hash_1k", local_window=64,
                                               map_kwargs={"num_features": 512, "temperature": 8.0},
                                               global_heads=1, **small))  # fmt: skip
-    assert MODEL_PRESETS["soft_hash_local"]["local_window"] == 64
+    assert MODEL_PRESETS["soft_hash_local"].hybrid.window == 64
     assert preset.blocks[0].attn.num_heads == 1 and preset.blocks[0].local_attn.num_heads == 2
     two = TransformerConfig(attention="soft_hash_local", global_heads=2, **small)
     assert TransformerLM(two).blocks[0].attn.num_heads == 2  # the user's win
@@ -231,10 +231,11 @@ def test_soft_hash_local_model_preset_is_one_soft_hash_512_head_at_temperature_8
     assert preset.blocks[0].local_attn.window == 64
     idx = torch.randint(0, V, (1, 9))
     assert torch.equal(preset(idx)[0], spelled(idx)[0])
-    narrower = TransformerConfig(attention="soft_hash_local", local_window=8, **small)
-    assert narrower.branches() == ("soft_hash_1k", 8)
+    narrower = TransformerConfig(attention="soft_hash_local", local_window=8, **small).resolve()
+    assert (narrower.attention.name, narrower.hybrid.window) == ("soft_hash_1k", 8)
     wider = TransformerConfig(attention="soft_hash_local", map_kwargs={"num_features": 64}, **small)
-    assert wider.map_options() == {"num_features": 64, "temperature": 8.0}  # the user's win
+    assert dict(wider.resolve().attention.map_kwargs) == {
+        "num_features": 64, "temperature": 8.0}  # the user's win
     assert TransformerLM(wider).blocks[1].attn.feature_map.feature_dim == 64
     spelled_out = "model preset.*soft_hash_1k, num_features=512, temperature=8.0.*global_heads=1"
     with pytest.raises(ValueError, match=spelled_out):
@@ -247,12 +248,13 @@ def test_soft_hash_far_local_model_preset_is_the_far_head_with_narrow_values_and
     assert "soft_hash_far_local" in valid_model_attentions()
     small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=64, chunk_size=4)
     config = TransformerConfig(attention="soft_hash_far_local", **small)
-    assert MODEL_PRESETS["soft_hash_far_local"]["value_fraction"] == 29 / 32
-    assert config.attention_value_dim() == 29 and config.surrogate_weight() == 50.0
-    assert config.branches() == ("soft_hash_far", 64)
+    assert MODEL_PRESETS["soft_hash_far_local"].hybrid.value_fraction == 29 / 32
+    spec = config.resolve()
+    assert spec.value_dim == 29 and spec.attention.gradient_surrogate == 50.0
+    assert (spec.attention.name, spec.hybrid.window) == ("soft_hash_far", 64)
     # heads of 64, the measured models: values of 58, the spec the runs spelled out
     wide = TransformerConfig(attention="soft_hash_far_local", n_embd=128, n_head=2)
-    assert wide.attention_value_dim() == 58
+    assert wide.resolve().value_dim == 58
     preset = TransformerLM(config).double()
     spelled_config = TransformerConfig(attention="soft_hash_far", local_window=64, global_heads=1,
                                        value_dim=29, gradient_surrogate=50.0, **small)  # fmt: skip
@@ -272,7 +274,8 @@ def test_soft_hash_far_local_model_preset_is_the_far_head_with_narrow_values_and
     assert not torch.allclose(grad, plain_grad)  # the surrogate reaches the q/k projection
     user = TransformerConfig(attention="soft_hash_far_local", value_dim=16,
                              gradient_surrogate=0.0, **small)  # fmt: skip
-    assert user.attention_value_dim() == 16 and user.surrogate_weight() == 0.0  # the user's win
+    user = user.resolve()
+    assert user.value_dim == 16 and user.attention.gradient_surrogate == 0.0  # the user's win
     with pytest.raises(ValueError, match="gradient_surrogate"):
         TransformerConfig(attention="soft_hash_far_local", gradient_surrogate=-1.0).validate()
 
@@ -353,9 +356,9 @@ def test_local_shared_configs_and_refusals():
         TransformerLM(TransformerConfig(attention="psf_random", local_shared=True))
     with pytest.raises(TypeError, match="local_shared"):
         TransformerLM(TransformerConfig(attention="psf_random", local_window=3, local_shared=1))
-    assert not TransformerConfig(attention="soft_hash_local").shares_projections()
+    assert not TransformerConfig(attention="soft_hash_local").resolve().hybrid.shared
     assert TransformerConfig(attention="psf_random", local_window=3,
-                             local_shared=True).shares_projections()  # fmt: skip
+                             local_shared=True).resolve().hybrid.shared  # fmt: skip
     branch = KernelAttention(16, 2, attention="sliding_window", window=3, projections=False)
     with pytest.raises(RuntimeError, match="attend_projected"):
         branch(torch.randn(1, 4, 16))
@@ -382,7 +385,7 @@ def test_global_heads_sets_the_attention_heads_beside_the_window_only():
     assert same.num_heads == plain.num_heads == 2 and same.qk_dim == plain.qk_dim
     one = block.attn.decode_state_size(10)
     assert one == block.attn.feature_map.feature_dim * (16 + 1)  # F × (E + 1), one head
-    assert TransformerConfig(attention="soft_hash", n_head=2, global_heads=1).attention_heads() == 2
+    assert TransformerConfig(attention="soft_hash", n_head=2).resolve().heads == 2
 
 
 # ----- the global attention in every k-th layer only (global_every) ------------------------
@@ -425,8 +428,8 @@ def test_global_every_leaves_the_other_layers_to_the_window_alone():
         ablated, _ = every(idx)
         assert [b.global_ablated for b in every.blocks] == [False, True, False, True]
     assert not torch.allclose(ablated, every(idx)[0])
-    assert TransformerConfig(global_every=3, n_layer=6).has_global(2)
-    assert not TransformerConfig(global_every=3, n_layer=6).has_global(3)
+    spec = TransformerConfig(local_window=4, global_every=3, n_layer=6).resolve()
+    assert spec.has_global(2) and not spec.has_global(3)
 
 
 def test_block_parameter_order_is_stable():
@@ -457,7 +460,7 @@ def test_global_every_refusals():
         config(attention="soft_hash", local_window=4, global_every=0)
     with pytest.raises(TypeError, match="global_every"):
         config(attention="soft_hash", local_window=4, global_every=2.0)
-    assert config(attention="soft_hash_local", global_every=2).has_global(1)
+    assert config(attention="soft_hash_local", global_every=2).resolve().has_global(1)
 
 
 def test_global_heads_refusals():
@@ -484,7 +487,7 @@ def test_soft_hash_far_needs_a_window_of_at_least_a_block_beside_it():
                 TransformerConfig(attention="soft_hash_far", local_window=window, **small)
             )
     model = TransformerLM(TransformerConfig(attention="soft_hash_far", local_window=4, **small))
-    assert model.blocks[0].attn.algorithm == "mixed" and model.blocks[0].attn.spec.local == "none"
+    assert model.blocks[0].attn.form == "mixed" and model.blocks[0].attn.spec.local == "none"
 
 
 def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotated():

@@ -5,7 +5,7 @@ import math
 import torch
 
 from polysketch.nn import KernelAttention
-from polysketch.nn.presets import resolve_attention
+from polysketch.nn.resolve import resolve_attention
 
 
 def test_psf_mixed_scale_follows_r_and_can_be_overridden():

@@ -56,7 +56,7 @@ def test_preset_table_matches_the_code():
 def test_model_preset_table_matches_the_code():
     rows = _table_after("<!-- model-preset-table: checked by tests/test_readme.py -->")
     assert {row[0].strip("`"): row[1] for row in rows} == {
-        name: preset["description"] for name, preset in MODEL_PRESETS.items()
+        name: preset.description for name, preset in MODEL_PRESETS.items()
     }
 
 

@@ -1,6 +1,7 @@
 """The training loop: exact resume, atomic checkpoints, accumulation, metrics, data, errors."""
 
 import csv
+import dataclasses
 import json
 import os
 
@@ -119,14 +120,15 @@ def test_a_presets_surrogate_lambda_is_stored_so_a_changed_preset_resumes_the_ru
     from polysketch.train import CheckpointError, save_checkpoint
 
     mc = tiny_model(attention="soft_hash_far_local", map_kwargs={"num_features": 32})
-    assert mc.gradient_surrogate is None and mc.surrogate_weight() > 0
-    trained_with = mc.surrogate_weight()
+    trained_with = mc.resolve().attention.gradient_surrogate
+    assert mc.gradient_surrogate is None and trained_with > 0
     straight = train(mc, tiny_train(tmp_path / "a"), corpus, progress=False)
     train(mc, tiny_train(tmp_path / "b"), corpus, progress=False, stop_after=3)
     path = tmp_path / "b" / "ckpt.pt"
     saved = load_checkpoint(path, restore_rng=False)["model_config"]
     assert saved["gradient_surrogate"] == trained_with
-    monkeypatch.setitem(MODEL_PRESETS["soft_hash_far_local"], "gradient_surrogate", 1000.0)
+    changed = dataclasses.replace(MODEL_PRESETS["soft_hash_far_local"], gradient_surrogate=1000.0)
+    monkeypatch.setitem(MODEL_PRESETS, "soft_hash_far_local", changed)
     with pytest.raises(CheckpointError, match="model_config differs"):
         train(mc, tiny_train(tmp_path / "b"), corpus, progress=False, resume=True)
     resumed = train(TransformerConfig(**saved), tiny_train(tmp_path / "b"), corpus,

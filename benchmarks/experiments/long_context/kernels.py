@@ -28,7 +28,7 @@ import torch
 
 from polysketch.eval.mqar_sweep import parse_attention
 from polysketch.features import create, get_class
-from polysketch.nn.presets import resolve_attention
+from polysketch.nn.resolve import resolve_attention
 
 from .retrieval import FeatureKernel, Kernel, PolynomialKernel, SoftmaxKernel
 
@@ -84,12 +84,12 @@ def build_kernel(
         )
     resolved = resolve_attention(name, dim, map_kwargs)
     info = {"feature_dim": None, "square": False, "fitted": False, "fit_s": 0.0}
-    if resolved.algorithm == "softmax":
+    if resolved.form == "softmax":
         kernel: Kernel = SoftmaxKernel(1.0 / math.sqrt(dim))
-    elif resolved.algorithm == "polynomial":
+    elif resolved.form == "polynomial":
         kernel = PolynomialKernel(resolved.degree, offset=resolved.denominator_offset, dim=dim)
-    elif resolved.algorithm == "linear" or (
-        resolved.algorithm == "mixed" and resolved.local == "none"
+    elif resolved.form == "linear" or (
+        resolved.form == "mixed" and resolved.local == "none"
     ):  # without in-block scores (soft_hash_far) the t keys count as earlier blocks' keys
         # (the query's own block is the window's), whose weights are the map's kernel
         kwargs = dict(resolved.map_kwargs)
@@ -107,7 +107,7 @@ def build_kernel(
         info["feature_dim"], info["square"] = int(fmap.feature_dim), bool(fmap.square)
     else:
         raise ValueError(
-            f"attentions {spec!r}: {resolved.algorithm} attention has no position-free kernel "
+            f"attentions {spec!r}: {resolved.form} attention has no position-free kernel "
             "(its weight on a key depends on the key's block); measure it in a model"
         )
     return kernel, {**info, **kernel_facts(kernel)}

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from polysketch.eval.attention_spec import parse_attention
 from polysketch.nn import TransformerConfig
+from polysketch.nn.resolve import parse_attention
 from polysketch.train import (
     CHECKPOINT_NAME,
     TrainConfig,

@@ -184,7 +184,7 @@ def trained_kernels(paths: Sequence[str]) -> dict[str, tuple[FeatureKernel, dict
         run = Path(path).resolve().parent.name
         for layer, block in enumerate(model.blocks):
             core = block.attn
-            if not model.config.has_global(layer):
+            if not model.spec.has_global(layer):
                 continue
             if core.feature_map is None:
                 raise ValueError(f"trained: layer {layer} of {path} ({core.attention}) has no "

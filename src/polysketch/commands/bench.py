@@ -20,7 +20,6 @@ import argparse
 from collections.abc import Sequence
 
 from .._checks import check_choice, check_float, check_positive_int
-from ..eval.attention_spec import split_attentions
 from ..eval.bench import (
     DTYPES,
     MALLOC_TOP_PAD,
@@ -38,6 +37,7 @@ from ..eval.bench import (
     write_csv,
     write_model_outputs,
 )
+from ..nn.resolve import split_attentions
 from ..ops.dispatch import ALGORITHMS
 from ._common import add_overwrite_argument, check_device, fail, io_error, prepare_out_dir
 
@@ -243,7 +243,7 @@ def _chunk_size(args) -> int | None:
 
 def parse_attentions(text: str) -> tuple[str, ...]:
     """``--attentions`` "a,b:k=v,k2=v2,c" -> ("a", "b:k=v,k2=v2", "c"): attention specs
-    (``polysketch.eval.attention_spec.split_attentions``), each naming one of
+    (``polysketch.nn.resolve.split_attentions``), each naming one of
     ``valid_model_attentions()``."""
     return split_attentions(text)
 

@@ -8,7 +8,7 @@ while decoding at position T = ``seq_len`` (``TransformerLM.decode_state_size``)
 for feature-map attention, 2·L·H·D·T for the softmax KV cache. Recall at a given state size is
 the trade-off BASED's paper studies; softmax attention is the reference.
 
-An attention is named as ``NAME`` or ``NAME:key=value,...`` (``polysketch.eval.attention_spec.
+An attention is named as ``NAME`` or ``NAME:key=value,...`` (``polysketch.nn.resolve.
 parse_attention``), e.g. ``llops:num_features=256,degree=4`` or ``taylor:qk_dim=16``: keys in
 ``MODEL_KEYS`` set the model (``TransformerConfig``), other keys the feature map. With several
 learning rates (``lrs``) every attention is trained at each and reported at its best (Zoology's
@@ -30,8 +30,8 @@ from pathlib import Path
 from .._files import write_csv as _write_csv
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig
+from ..nn.resolve import MODEL_KEYS, parse_attention
 from ..train import MQARData, TrainConfig, train
-from .attention_spec import MODEL_KEYS, parse_attention
 from .plots import log_axes, save_png, subplots
 
 __all__ = [

@@ -6,7 +6,8 @@
   (feature maps, exact softmax / polynomial, PolySketchFormer presets, sliding window).
 - ``TransformerConfig`` / ``TransformerLM``: a small decoder-only LM with decoding caches
   (``local_window``: an exact sliding-window branch beside each layer's attention).
-- ``PRESETS``: the PolySketchFormer presets (name -> description and settings).
+- ``PRESETS`` / ``MODEL_PRESETS``: the preset tables; ``AttentionSpec`` / ``HybridSpec`` /
+  ``ModelSpec``: what a name resolves to, once (``resolve_attention``, ``resolve_model``).
 - ``MultiHeadFeatureMap``: independent per-head feature maps applied with ``torch.vmap``.
 """
 
@@ -15,8 +16,10 @@ from .attention import KernelAttention
 from .cache import KVCache, MixedCache, ParallelCache, RecurrentCache, WindowCache
 from .core import AttentionCore
 from .heads import MultiHeadFeatureMap, head_seed
-from .presets import MODEL_PRESETS, PRESETS, valid_attentions, valid_model_attentions
+from .presets import MODEL_PRESETS, PRESETS
+from .resolve import resolve_attention, resolve_model, valid_attentions, valid_model_attentions
 from .rope import RotaryEmbedding
+from .spec import AttentionSpec, HybridSpec, ModelSpec
 from .transformer import TransformerConfig, TransformerLM
 
 __all__ = [
@@ -26,6 +29,11 @@ __all__ = [
     "TransformerLM",
     "PRESETS",
     "MODEL_PRESETS",
+    "AttentionSpec",
+    "HybridSpec",
+    "ModelSpec",
+    "resolve_attention",
+    "resolve_model",
     "MultiHeadFeatureMap",
     "RotaryEmbedding",
     "KVCache",

@@ -28,7 +28,7 @@ def global_cores(model: nn.Module) -> list:
     """The ``AttentionCore`` modules of ``model`` with a separate global part (mixed)."""
     from .core import AttentionCore
 
-    return [m for m in model.modules() if isinstance(m, AttentionCore) and m.algorithm == "mixed"]
+    return [m for m in model.modules() if isinstance(m, AttentionCore) and m.form == "mixed"]
 
 
 def global_parts(model: nn.Module) -> list:

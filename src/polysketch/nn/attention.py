@@ -33,9 +33,11 @@ from torch import nn
 from .._checks import check_float, check_int, check_positive_int, check_tensor, compute_dtype
 from .core import AttentionCore, working_dtype
 from .padding import real_positions
+from .resolve import as_spec
 from .rope import RotaryEmbedding
 from .sharding import SequenceShard, check_core_on_shard, shard_attend, shard_short_conv
 from .short_conv import ShortConv
+from .spec import AttentionSpec
 
 __all__ = ["KernelAttention"]
 
@@ -55,7 +57,9 @@ class KernelAttention(AttentionCore):
             projected q, k, v (BASED / Zoology / fla; ``polysketch.nn.short_conv``); 0 = off.
         attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
             ``softmax``, ``sliding_window``) or any ``polysketch.features.available()`` name
-            (default ``"polysketch"``, i.e. the psf_random sketch).
+            (default ``"polysketch"``, i.e. the psf_random sketch), resolved here with the
+            options below (``polysketch.nn.resolve.resolve_attention``); or an
+            ``AttentionSpec`` resolved already (the options below then stay unset).
         causal: causal mask (decoder). Mixed attention, the window and decoding need it.
         rope: rotary position embeddings on q and k.
         qk_norm: LayerNorm (with affine) on q and k per head. ``None``: on for polynomial maps
@@ -90,7 +94,7 @@ class KernelAttention(AttentionCore):
         embed_dim: int,
         num_heads: int,
         *,
-        attention: str = "polysketch",
+        attention: str | AttentionSpec = "polysketch",
         causal: bool = True,
         rope: bool = True,
         qk_norm: bool | None = None,
@@ -125,12 +129,14 @@ class KernelAttention(AttentionCore):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
         if denominator_offset is not None:
             denominator_offset = check_float(denominator_offset, "denominator_offset")
+        spec = as_spec(
+            attention, qk_dim, map_kwargs, qk_norm=qk_norm, denominator_offset=denominator_offset,
+            mixed=mixed, window=window, learn_balance=learn_balance,
+            gradient_surrogate=gradient_surrogate,
+        )  # fmt: skip
         super().__init__(
-            attention, qk_dim=qk_dim, num_heads=num_heads, value_dim=value_dim, causal=causal,
-            chunk_size=chunk_size, qk_norm=qk_norm, denominator_offset=denominator_offset,
-            seed=seed, layer_index=layer_index, checkpoint=checkpoint, mixed=mixed,
-            learn_balance=learn_balance, gradient_surrogate=gradient_surrogate, window=window,
-            **map_kwargs,
+            spec, qk_dim=qk_dim, num_heads=num_heads, value_dim=value_dim, causal=causal,
+            chunk_size=chunk_size, seed=seed, layer_index=layer_index, checkpoint=checkpoint,
         )  # fmt: skip
         self.embed_dim, self.head_dim, self.short_conv = embed_dim, head_dim, short_conv
         e, h = self.embed_dim, self.num_heads
@@ -316,6 +322,6 @@ class KernelAttention(AttentionCore):
             + f"short_conv={self.short_conv}, "
             f"chunk_size={self.chunk_size}, denominator_offset={self.denominator_offset:g}, "
             f"layer_index={self.layer_index}"
-            + (f", algorithm={self.algorithm!r}" if self.algorithm == "mixed" else "")
+            + (f", form={self.form!r}" if self.form == "mixed" else "")
             + (f", window={self.window}" if self.window is not None else "")
         )

@@ -5,7 +5,7 @@
 
     O_i = Σ_{j visible to i} s_ij v_j / (offset + Σ_{j visible to i} s_ij)
 
-with s_ij one of (``polysketch.nn.presets``): a feature map's φq(q_i)·φk(k_j) (squared when
+with s_ij one of (``polysketch.nn.spec``'s forms): a feature map's φq(q_i)·φk(k_j) (squared when
 the map is ``square``, PolySketchFormer Eq. 2; ``"linear"``, ``ops.linear_attention``);
 exact (q_i·k_j)^p inside blocks and the map before them (``"mixed"``, ``ops.mixed_attention``);
 exact (q_i·k_j)^p (``"polynomial"``, Eq. 1); softmax (``"softmax"``, offset 0, exp scores
@@ -15,8 +15,8 @@ RoPE) and the transformers adapter ``PolysketchAttention`` (mask translation, GQ
 after the model's RoPE) are subclasses: what differs between them lives there, everything
 below is shared. The core owns
 
-* the spec (``resolve_attention``: presets, map defaults, ``mixed=True`` for any map,
-  ``window=`` for ``sliding_window``) and the per-head feature maps (``MultiHeadFeatureMap``);
+* the spec (an ``AttentionSpec``, resolved at the wrappers' edge by ``polysketch.nn.resolve``)
+  and the per-head feature maps (``MultiHeadFeatureMap``);
 * the precision policy: autocast off inside, q, k, v cast to the operand dtype that
   ``ops.dispatch.operand_dtype`` decides for the working dtype (the autocast dtype when
   autocast is on, else the inputs'; half stays half on accelerators, fp32 on CPU), the output
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .._checks import as_dtype, check_float, check_int, check_positive_int
+from .._checks import as_dtype, check_int, check_positive_int
 from ..features import get_class
 from ..features.stability import attention_features
 from ..ops import (
@@ -63,7 +63,7 @@ from ..ops.recurrent import linear_attention_token
 from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
 from .heads import MultiHeadFeatureMap
 from .padding import compaction, gather_time
-from .presets import resolve_attention
+from .spec import AttentionSpec
 
 __all__ = ["AttentionCore", "working_dtype"]
 
@@ -72,101 +72,55 @@ class AttentionCore(nn.Module):
     """The attention core (module docstring): ``attend(q, k, v, keep=, cache=)``.
 
     Args:
-        attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
-            ``softmax``, ``sliding_window``) or a ``polysketch.features.available()`` name.
+        spec: what it computes, an ``AttentionSpec`` (``polysketch.nn.resolve``: the wrappers
+            resolve the user's names at their edge; the core reads the spec only).
         qk_dim: D, the size of queries and keys (the maps' input). num_heads: H.
         value_dim: E (default D); only ``decode_state_size`` needs it.
         causal: causal mask. Mixed, window and decoding need it.
         chunk_size: block b of the block algorithm and of mixed attention's local blocks.
-        qk_norm, denominator_offset: ``None`` = the preset / map default (``resolve_attention``;
-            the wrappers build and apply the q/k LayerNorm where their architecture puts it).
         seed, layer_index: head h's map is seeded with ``head_seed(seed, layer_index, h)``.
         checkpoint: recompute features and attention in the backward (linear, mixed).
-        mixed: mixed attention with this feature map (``presets``).
-        learn_balance: mixed only; a trainable β_h per head (module docstring), initialised
-            so that the layer starts as without it: the map's ``output_scale`` c (psf_mixed:
-            1/√r) moves into β = log(c²) (plain maps) or log(c⁴) (square maps).
-        gradient_surrogate: λ ≥ 0 (mixed attention without in-block scores, ``local="none"``,
-            only): in training, add λ·(o_lin − sg(o_lin)) to the output, o_lin the same
-            attention with the linear kernel 1 + cos(q, k) (features (1, q/‖q‖), values
-            detached; ``_gradient_surrogate``). Its value is exactly 0, so the layer computes
-            what it computes without it, and decoding, the state and every output are
-            unchanged; its gradient reaches q and k from every earlier key, as softmax's does
-            near init (≈ 1 + q·k/√D), where a sharp map passes none between a query and a key
-            that share no bucket. 0 = off.
-        window: ``sliding_window``'s w.
-        softmax_scale: the scale of softmax scores and of maps targeting exp(scale·q·k)
-            (None: 1/√D); the transformers adapter passes the model's ``scaling``.
-        **map_kwargs: keywords of the feature map (or ``degree`` / ``kernel`` of exact ones).
+
+    With ``spec.learn_balance`` (mixed only) a trainable β_h per head weighs the far blocks,
+    initialised so that the layer starts as without it: the map's ``output_scale`` c
+    (psf_mixed: 1/√r) moves into β = log(c²) (plain maps) or log(c⁴) (square maps).
+    With ``spec.gradient_surrogate`` = λ > 0 (mixed attention without in-block scores,
+    ``local="none"``, only): in training, λ·(o_lin − sg(o_lin)) is added to the output, o_lin
+    the same attention with the linear kernel 1 + cos(q, k) (features (1, q/‖q‖), values
+    detached; ``_gradient_surrogate``). Its value is exactly 0, so the layer computes what it
+    computes without it, and decoding, the state and every output are unchanged; its gradient
+    reaches q and k from every earlier key, as softmax's does near init (≈ 1 + q·k/√D), where
+    a sharp map passes none between a query and a key that share no bucket.
     """
 
     def __init__(
         self,
-        attention: str = "polysketch",
+        spec: AttentionSpec,
         *,
         qk_dim: int,
         num_heads: int,
         value_dim: int | None = None,
         causal: bool = True,
         chunk_size: int = 64,
-        qk_norm: bool | None = None,
-        denominator_offset: float | None = None,
         seed: int = 0,
         layer_index: int = 0,
         checkpoint: bool = False,
-        mixed: bool = False,
-        learn_balance: bool = False,
-        gradient_surrogate: float = 0.0,
-        window: int | None = None,
-        softmax_scale: float | None = None,
-        **map_kwargs,
     ):
         super().__init__()
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
         self.qk_dim = check_positive_int(qk_dim, "qk_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
         value_dim = self.qk_dim if value_dim is None else value_dim
         self.value_dim = check_positive_int(value_dim, "value_dim")
         self.causal = _check_bool(causal, "causal")
         self.checkpoint = _check_bool(checkpoint, "checkpoint")
-        _check_bool(learn_balance, "learn_balance")
-        if qk_norm is not None:
-            _check_bool(qk_norm, "qk_norm")
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.seed = check_int(seed, "seed", minimum=0)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
-        spec = resolve_attention(
-            attention, self.qk_dim, map_kwargs, qk_norm=qk_norm,
-            denominator_offset=denominator_offset, mixed=mixed, window=window,
-            softmax_scale=softmax_scale,
-        )  # fmt: skip
-        if spec.algorithm in ("mixed", "window") and not self.causal:
-            raise ValueError(
-                f"attention={attention!r} ({spec.algorithm} attention) needs causal=True"
-            )
-        if learn_balance and spec.local == "none":
-            raise ValueError(
-                f"learn_balance=True weighs the far blocks against exact local blocks, and "
-                f"attention={attention!r} has none (its normalizer is the far scores' alone)"
-            )
-        if learn_balance and spec.algorithm != "mixed":
-            raise ValueError(
-                "learn_balance=True needs mixed attention (mixed=True or psf_mixed): it weighs "
-                f"the far blocks against the exact local blocks; attention={attention!r} has none"
-            )
-        self.gradient_surrogate = check_float(gradient_surrogate, "gradient_surrogate", minimum=0.0)
-        if self.gradient_surrogate and (spec.algorithm != "mixed" or spec.local != "none"):
-            raise ValueError(
-                f"gradient_surrogate needs mixed attention without in-block scores (local='none', "
-                f"e.g. soft_hash_far), got attention={attention!r} ({spec.algorithm}"
-                f"{', local=' + repr(spec.local) if spec.algorithm == 'mixed' else ''})"
-            )
+        if spec.needs_causal and not self.causal:
+            raise ValueError(f"attention={spec.name!r} ({spec.form} attention) needs causal=True")
         self.spec = spec
-        self.attention = spec.name
-        self.algorithm = spec.algorithm
-        self.denominator_offset = float(spec.denominator_offset)
-        self.degree = check_positive_int(spec.degree, "degree")
-        self.window = spec.window
-        self.softmax_scale = softmax_scale
         self.exact_degree: int | None = None  # warm start: see polysketch.nn.warm_start
         self.global_ablated = False  # see polysketch.nn.ablate_global
         # the q/k LayerNorms (spec.qk_norm) are built and applied by the subclasses, where
@@ -176,34 +130,65 @@ class AttentionCore(nn.Module):
         self.feature_map = None
         self.log_balance = None
         kwargs, c = dict(spec.map_kwargs), 1.0
-        if learn_balance and get_class(spec.feature_map).takes("output_scale"):
+        if spec.learn_balance and get_class(spec.feature_map).takes("output_scale"):
             c = float(kwargs.pop("output_scale", 1.0))  # moves into the balance
         if spec.feature_map is not None:
             self.feature_map = MultiHeadFeatureMap(
                 spec.feature_map, self.qk_dim, self.num_heads, seed=self.seed,
                 layer_index=self.layer_index, **kwargs,
             )  # fmt: skip
-        if learn_balance:
+        if spec.learn_balance:
             beta = math.log(c) * (4 if self.feature_map.square else 2)
             self.log_balance = nn.Parameter(torch.full((self.num_heads,), beta))
+
+    # ----- the spec, read ----------------------------------------------------------------------
+    @property
+    def attention(self) -> str:
+        """The name the spec was resolved from (a preset or a feature map)."""
+        return self.spec.name
+
+    @property
+    def form(self) -> str:
+        """``spec.form``: "linear", "mixed", "window", "softmax" or "polynomial"."""
+        return self.spec.form
+
+    @property
+    def degree(self) -> int:
+        return self.spec.degree
+
+    @property
+    def denominator_offset(self) -> float:
+        return self.spec.denominator_offset
+
+    @property
+    def window(self) -> int | None:
+        return self.spec.window
+
+    @property
+    def softmax_scale(self) -> float | None:
+        return self.spec.softmax_scale
+
+    @property
+    def gradient_surrogate(self) -> float:
+        return self.spec.gradient_surrogate
 
     # ----- decoding state --------------------------------------------------------------------
     @property
     def cache_type(self) -> type:
         """The class of ``new_cache()``'s caches."""
-        return _CACHE_TYPES[self.algorithm]
+        return _CACHE_TYPES[self.form]
 
     def new_cache(self) -> RecurrentCache | KVCache | MixedCache | WindowCache:
         """An empty decode cache for this core (see ``polysketch.nn.cache``)."""
         if not self.causal:
             raise ValueError("decoding caches need causal=True")
-        if self.algorithm == "linear":
+        if self.form == "linear":
             return RecurrentCache()
-        if self.algorithm == "mixed":
+        if self.form == "mixed":
             far = self.spec.local == "none"  # the current block keeps raw keys (D, not F)
             return MixedCache(self.chunk_size, self.feature_map.square, local=self.spec.local,
                               key_features=self._key_features if far else None)  # fmt: skip
-        if self.algorithm == "window":
+        if self.form == "window":
             return WindowCache(self.window)
         return KVCache()
 
@@ -218,12 +203,12 @@ class AttentionCore(nn.Module):
         """
         t = check_int(seq_len, "seq_len", minimum=0)
         h, d, e = self.num_heads, self.qk_dim, self.value_dim
-        if self.algorithm in ("softmax", "polynomial"):
+        if self.form in ("softmax", "polynomial"):
             return h * (d + e) * t
-        if self.algorithm == "window":
+        if self.form == "window":
             return h * (d + e) * min(t, self.window)
         state = h * self.feature_map.state_dim * (e + 1)
-        if self.algorithm == "linear":
+        if self.form == "linear":
             return state if t else 0
         per_token = d + e + (0 if self.spec.local == "none" else self.feature_map.feature_dim)
         local = h * (t % self.chunk_size) * per_token
@@ -275,16 +260,16 @@ class AttentionCore(nn.Module):
         return as_dtype(o, out_dtype)
 
     def _attend(self, q, k, v, keep, cache) -> torch.Tensor:
-        """The algorithm on (B, H, T, ·) tensors in the operand dtype (module docstring)."""
+        """The form on (B, H, T, ·) tensors in the operand dtype (module docstring)."""
         if self.exact_degree is not None and cache is None:  # warm start (nn.warm_start)
             kpm = None if keep is None else keep.unsqueeze(1)
             return polynomial_attention(q, k, v, degree=self.exact_degree, causal=self.causal,
                 denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
-        if self.algorithm == "linear":
+        if self.form == "linear":
             return self._linear(q, k, v, keep, cache)
-        if self.algorithm == "mixed":
+        if self.form == "mixed":
             return self._mixed(q, k, v, keep, cache)
-        if self.algorithm == "window":
+        if self.form == "window":
             return self._window(q, k, v, keep, cache)
         return self._exact(q, k, v, keep, cache)
 
@@ -293,7 +278,7 @@ class AttentionCore(nn.Module):
         if cache is not None:
             k, v, keep = cache.append(k, v, keep)
         kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, Tk) against (B, H, Tk, .)
-        if self.algorithm == "polynomial":
+        if self.form == "polynomial":
             return polynomial_attention(q, k, v, degree=self.degree, causal=self.causal,
                 denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
         scale = self.softmax_scale
@@ -465,7 +450,7 @@ class AttentionCore(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"attention={self.attention!r}, algorithm={self.algorithm!r}, "
+            f"attention={self.attention!r}, form={self.form!r}, "
             f"num_heads={self.num_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
             f"chunk_size={self.chunk_size}, denominator_offset={self.denominator_offset:g}, "
             f"layer_index={self.layer_index}"

@@ -53,7 +53,7 @@ __all__ = ["CP_ALGORITHMS", "SequenceShard", "make_shard", "shard_attend", "shar
 CP_ALGORITHMS = {"linear": "every feature map (psf_random, psf_learned, ...)",
                  "mixed": "psf_mixed / mixed=True",
                  "window": "sliding_window, and soft_hash_local's window branch"}  # fmt: skip
-"""The attention algorithms (``AttentionCore.algorithm``) that run on a ``SequenceShard``."""
+"""The attention forms (``AttentionCore.form``) that run on a ``SequenceShard``."""
 
 
 @dataclass(frozen=True)
@@ -114,23 +114,23 @@ def make_shard(
 
 def check_core_on_shard(core, shard: SequenceShard) -> None:
     """Refuse (ValueError) a core that cannot compute exactly on ``shard`` (module doc)."""
-    if core.algorithm not in CP_ALGORITHMS:
+    if core.form not in CP_ALGORITHMS:
         supported = "; ".join(f"{k}: {v}" for k, v in CP_ALGORITHMS.items())
         what = "context parallelism" if shard.group is not None else "packed sequences"
         raise ValueError(
-            f"attention={core.attention!r} ({core.algorithm} attention) has no {what} op; "
+            f"attention={core.attention!r} ({core.form} attention) has no {what} op; "
             f"supported: {supported}"
         )
-    if core.algorithm == "mixed" and shard.cu_seqlens is not None:
+    if core.form == "mixed" and shard.cu_seqlens is not None:
         raise ValueError(
             f"attention={core.attention!r}: mixed attention with packed sequences (cu_seqlens) "
             "is not supported: its exact local blocks would cross document boundaries; use a "
             "linear attention (e.g. psf_random) to pack"
         )
-    if shard.real_before is not None and (core.algorithm != "linear" or shard.cu_seqlens):
+    if shard.real_before is not None and (core.form != "linear" or shard.cu_seqlens):
         raise ValueError(
             f"key_padding_mask on a context-parallel shard needs a linear attention without "
-            f"packing, got attention={core.attention!r} ({core.algorithm})"
+            f"packing, got attention={core.attention!r} ({core.form})"
             + (" with cu_seqlens" if shard.cu_seqlens else "")
             + ": mixed attention's block grid and the window would count each row's real "
             "tokens across ranks; pack documents with cu_seqlens instead of padding"
@@ -162,7 +162,7 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
         q, k, v = q.to(od), k.to(od), v.to(od)
         fm = core.feature_map
         cu = None if shard.cu_seqlens is None else list(shard.cu_seqlens)
-        if core.algorithm == "linear":
+        if core.form == "linear":
             kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, T_r)
             phi_q, phi_k = core._features(q, k, kpm)
             kw = dict(square=fm.square, chunk_size=core.chunk_size, key_padding_mask=kpm,
@@ -171,7 +171,7 @@ def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
                 o = linear_attention(phi_q, phi_k, v, causal=True, **kw)
             else:
                 o = cp_linear_attention(phi_q, phi_k, v, group=shard.group, **kw)
-        elif core.algorithm == "window":
+        elif core.form == "window":
             o = _window_on_shard(core, q, k, v, shard)
         else:  # mixed: no query rescaling, the local scores share the normalizer
             phi_q, phi_k = core._features(q, k, None, normalize=False)

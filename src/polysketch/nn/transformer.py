@@ -21,7 +21,6 @@ each row generates what it generates alone (``polysketch.nn.padding``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +31,9 @@ from .._checks import check_float, check_int, check_positive_int
 from ..random import make_generator
 from .attention import KernelAttention
 from .cache import ParallelCache
-from .presets import MODEL_PRESETS, PRESETS
+from .resolve import resolve_model
 from .sharding import check_core_on_shard, make_shard
+from .spec import ModelSpec
 from .warm_start import set_exact_attention as _set_exact_attention
 
 __all__ = ["TransformerConfig", "TransformerLM", "GLU"]
@@ -70,75 +70,16 @@ class TransformerConfig:
     global_every: int | None = None  # only every k-th layer has the global branch (Block)
     global_rope: bool | None = None  # RoPE on the global branch's q/k beside a window (Block)
 
-    def branches(self) -> tuple[str, int | None]:
-        """(the attention of every layer, the window of the sliding-window branch beside it
-        or None): ``attention`` and ``local_window``, or what a model preset
-        (``polysketch.nn.presets.MODEL_PRESETS``) sets; an explicit ``local_window`` wins."""
-        preset = MODEL_PRESETS.get(self.attention)
-        if preset is None:
-            return self.attention, self.local_window
-        window = preset["local_window"] if self.local_window is None else self.local_window
-        return preset["attention"], window
-
-    def shares_projections(self) -> bool:
-        """Whether the sliding-window branch reads the attention's q/k/v and output
-        projections (``local_shared``, else the model preset's, else False; see Block)."""
-        if self.local_shared is not None:
-            return self.local_shared
-        return bool((MODEL_PRESETS.get(self.attention) or {}).get("local_shared", False))
-
-    def attention_heads(self) -> int:
-        """Heads of every layer's attention: ``global_heads`` (else the model preset's) beside
-        a ``local_window`` branch, else ``n_head`` (see Block)."""
-        if self.branches()[1] is None:
-            return self.n_head
-        heads = self.global_heads
-        if heads is None:
-            heads = (MODEL_PRESETS.get(self.attention) or {}).get("global_heads")
-        return self.n_head if heads is None else heads
-
-    def global_branch_rope(self) -> bool:
-        """Whether the attention beside a ``local_window`` branch rotates its q/k (RoPE):
-        ``global_rope``, else the model preset's, else ``rope`` (see Block). Without a window
-        branch every attention follows ``rope``."""
-        if self.branches()[1] is None:
-            return self.rope
-        if self.global_rope is not None:
-            return self.global_rope
-        return bool((MODEL_PRESETS.get(self.attention) or {}).get("global_rope", self.rope))
-
-    def has_global(self, layer_index: int) -> bool:
-        """Whether layer ``layer_index`` runs the configured attention: every layer, or with
-        ``global_every = k`` (beside a sliding-window branch) layers k-1, 2k-1, ... only, the
-        others being the window alone (see Block)."""
-        return self.global_every is None or (layer_index + 1) % self.global_every == 0
-
-    def attention_value_dim(self) -> int | None:
-        """Per-head value size of every layer's attention: ``value_dim``, else a model preset's
-        ``value_fraction`` × the model's head dim (n_embd / n_head, rounded down), else None
-        (the attention's default: n_embd / its heads)."""
-        if self.value_dim is not None:
-            return self.value_dim
-        fraction = (MODEL_PRESETS.get(self.attention) or {}).get("value_fraction")
-        if fraction is None:
-            return None
-        return max(1, math.floor(fraction * (self.n_embd // self.n_head)))
-
-    def surrogate_weight(self) -> float:
-        """λ of the attention's training-only surrogate gradient: ``gradient_surrogate``,
-        else a model preset's, else 0 (off)."""
-        if self.gradient_surrogate is not None:
-            return self.gradient_surrogate
-        return float((MODEL_PRESETS.get(self.attention) or {}).get("gradient_surrogate", 0.0))
-
-    def map_options(self) -> dict:
-        """The feature-map keywords of every layer's attention: a model preset's
-        ``map_kwargs`` (``polysketch.nn.presets.MODEL_PRESETS``) overridden by ``map_kwargs``."""
-        preset = MODEL_PRESETS.get(self.attention) or {}
-        return {**preset.get("map_kwargs", {}), **self.map_kwargs}
+    def resolve(self) -> ModelSpec:
+        """Validate the config (``validate``) and resolve its attention, once, into a
+        ``ModelSpec`` (``polysketch.nn.resolve.resolve_model``: a model preset expanded, the
+        window branch and the attention's heads, sizes and RoPE)."""
+        self.validate()
+        return resolve_model(self)  # resolved again: a config is a mutable dataclass
 
     def validate(self) -> TransformerConfig:
-        """Raise ValueError/TypeError naming the bad field; return self."""
+        """Raise ValueError/TypeError naming the bad field; return self. The attention's
+        fields are checked together by resolving them (``resolve_model``)."""
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "chunk_size"):
             check_positive_int(getattr(self, name), name)
         if self.n_embd % self.n_head:
@@ -157,69 +98,19 @@ class TransformerConfig:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
         if not isinstance(self.map_kwargs, dict):
             raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
-        if self.window is not None:
-            check_positive_int(self.window, "window")
-        if self.local_window is not None:
-            check_positive_int(self.local_window, "local_window")
-            if self.branches()[0] in ("softmax", "sliding_window"):
-                raise ValueError(
-                    f"local_window adds a sliding-window branch beside a linear-time attention; "
-                    f"attention={self.attention!r} already sees the local keys exactly"
-                )
+        for name in ("window", "local_window", "global_heads", "global_every"):
+            if getattr(self, name) is not None:
+                check_positive_int(getattr(self, name), name)
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
-        if self.global_rope is not None:
-            if not isinstance(self.global_rope, bool):
-                raise TypeError(
-                    f"global_rope must be a bool or None, got {type(self.global_rope).__name__}"
-                )
-            if self.branches()[1] is None:
-                raise ValueError("global_rope sets RoPE of the attention beside a sliding-window "
-                                 "branch: it needs local_window (else use rope)")  # fmt: skip
-            if self.global_rope and not self.rope:
-                raise ValueError("global_rope=True with rope=False: RoPE is off in the model")
-        if self.local_shared is not None and not isinstance(self.local_shared, bool):
-            raise TypeError(
-                f"local_shared must be a bool or None, got {type(self.local_shared).__name__}"
-            )
-        if self.shares_projections() and self.branches()[1] is None:
-            raise ValueError("local_shared=True needs a sliding-window branch (local_window)")
-        if self.global_heads is not None:
-            check_positive_int(self.global_heads, "global_heads")
-            if self.branches()[1] is None:
-                raise ValueError("global_heads sets the heads of the attention beside a "
-                                 "sliding-window branch: it needs local_window")  # fmt: skip
-        if self.global_every is not None:
-            check_positive_int(self.global_every, "global_every")
-            if self.branches()[1] is None:
-                raise ValueError("global_every leaves some layers to the sliding-window branch "
-                                 "alone: it needs local_window")  # fmt: skip
-            if self.global_every > self.n_layer:
-                raise ValueError(f"global_every={self.global_every} > n_layer={self.n_layer} "
-                                 "leaves no layer with the global attention")  # fmt: skip
-        attention, window = self.branches()
-        if (PRESETS.get(attention) or {}).get("settings", {}).get("local") == "none" and (
-            window is None or window < self.chunk_size
-        ):
-            raise ValueError(
-                f"attention={attention!r} reads only the blocks of chunk_size={self.chunk_size} "
-                f"before each query's own: it needs an exact window of >= chunk_size keys beside "
-                f"it, got local_window={window} (use the model preset soft_hash_far_local)"
-            )
-        heads = self.attention_heads()
-        if self.n_embd % heads:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by global_heads={heads}")
+        for name in ("qk_norm", "global_rope", "local_shared"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
         if self.gradient_surrogate is not None:
             check_float(self.gradient_surrogate, "gradient_surrogate", minimum=0.0)
-        if self.shares_projections() and self.attention_value_dim() is not None:
-            raise ValueError("local_shared=True shares one q/k/v projection between the "
-                             "branches: value_dim must stay None (the heads' width)")  # fmt: skip
-        if self.shares_projections() and heads != self.n_head:
-            raise ValueError(f"local_shared=True needs global_heads = n_head ({self.n_head}): "
-                             f"the branches share one q/k/v projection, got {heads}")  # fmt: skip
-        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
-            raise TypeError(f"qk_norm must be a bool or None, got {type(self.qk_norm).__name__}")
+        resolve_model(self)  # the attention's fields, together
         return self
 
 
@@ -241,97 +132,69 @@ class GLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + Attn(LN(x)), then + GLU(LN(x)).
+    """Pre-norm block: x + Attn(LN(x)), then + GLU(LN(x)), built from the model's
+    ``ModelSpec`` (``polysketch.nn.spec``).
 
-    With ``config.local_window = w`` the attention has two parallel branches on the same
-    LN(x), each with its own q/k/v/output projections and its own normalizer, and their
-    outputs are summed: ``Attn(h) = Global(h) + Local(h)``, Global the configured attention
-    over all earlier tokens, Local exact softmax attention (scale 1/√D, RoPE) over the last w
-    tokens (``attention="sliding_window"``). This is BASED's design of a linear global part
-    beside an exact local window (Arora et al. 2024), in one layer: the local branch models
-    the next token from its neighbours, and the global branch's normalizer is not shared
-    with the local scores (``mixed`` attention, whose exact local blocks and far features
-    share one normalizer, learned no 1024-back copy where ``soft_hash_local`` did:
-    ``docs/results/long_context/screens/``). The decode cache of such a layer is a
-    ``polysketch.nn.cache.ParallelCache``.
+    With a window branch (``spec.hybrid``, window w) the attention has two parallel branches
+    on the same LN(x), each with its own q/k/v/output projections and its own normalizer, and
+    their outputs are summed: ``Attn(h) = Global(h) + Local(h)``, Global the configured
+    attention over all earlier tokens, Local exact softmax attention (scale 1/√D, RoPE) over
+    the last w tokens (``spec.window_attention``). This is BASED's design of a linear global
+    part beside an exact local window (Arora et al. 2024), in one layer: the local branch
+    models the next token from its neighbours, and the global branch's normalizer is not
+    shared with the local scores (as mixed attention's is). The decode cache of such a layer
+    is a ``polysketch.nn.cache.ParallelCache``.
 
-    With ``config.local_shared`` the two branches read one q/k/v projection and share the
-    output projection: ``Attn(h) = (O_global + O_local) W_out`` with [Q K V] = h W_qkv for
-    both (the global branch's q/k LayerNorm and short convolution are its own; the window
-    sees the raw projections with RoPE). It has the function of the unshared layer whose
-    local projections equal the global ones, with half the projections to run.
+    ``hybrid.shared``: the two branches read one q/k/v projection and share the output
+    projection, ``Attn(h) = (O_global + O_local) W_out`` with [Q K V] = h W_qkv for both (the
+    global branch's q/k LayerNorm and short convolution are its own; the window sees the raw
+    projections with RoPE): the function of the unshared layer whose local projections equal
+    the global ones, with half the projections to run.
 
-    With ``config.global_heads = g`` (beside a window) the global branch has g heads, each
-    with q/k of ``qk_dim`` (default the model's head dim n_embd / n_head, so its feature map
-    keeps its input size) and values of n_embd / g (or ``config.attention_value_dim()``: the
-    ``value_dim`` field, else a model preset's fraction of the head dim), while the window
-    keeps n_head heads:
-    ``soft_hash_local`` reads far context through one such head per layer, its feature map
-    and intra-chunk scores costing 1/n_head of n_head heads' at the same decode state.
+    ``spec.heads = g`` (beside a window): the global branch has g heads with q/k of
+    ``spec.qk_dim`` (the model's head dim n_embd / n_head by default, so its feature map keeps
+    its input size) and values of ``spec.value_dim`` (default n_embd / g), while the window
+    keeps n_head heads: one such head per layer costs 1/n_head of n_head heads' feature maps
+    and in-block scores at the same decode state.
 
-    With ``config.global_rope = False`` (beside a window; the model preset ``soft_hash_local``
-    sets it) the global branch's q and k are not rotated: its feature map sees content only,
-    so a key and a query 1024 tokens apart land in the same buckets when their content
-    matches, while the window keeps RoPE for order within its span.
+    ``spec.rope`` = False (beside a window): the global branch's q and k are not rotated: its
+    feature map sees content only, so a key and a query far apart land in the same buckets
+    when their content matches, while the window keeps RoPE for order within its span.
 
-    With ``config.global_every = k`` (beside a window) only layers k-1, 2k-1, ... have the
-    global branch; the others are the window branch alone (``attn`` is then the
-    ``sliding_window`` attention and ``local_attn`` is None), as hybrid models interleave a
-    few global layers with local ones. The global layers' feature-map and state costs, and
-    their decode state, are paid in 1/k of the layers (``TransformerConfig.has_global``).
+    ``hybrid.every = k``: only layers k-1, 2k-1, ... have the global branch; the others are
+    the window branch alone (``attn`` is then the window attention and ``local_attn`` None),
+    as hybrid models interleave a few global layers with local ones.
     """
 
-    def __init__(self, config: TransformerConfig, layer_index: int):
+    def __init__(self, config: TransformerConfig, spec: ModelSpec, layer_index: int):
         super().__init__()
-        attention, local_window = config.branches()
-        layer = dict(causal=True, rope=config.rope, chunk_size=config.chunk_size,
-                     seed=config.seed, layer_index=layer_index)  # fmt: skip
+        layer = dict(causal=True, chunk_size=config.chunk_size, seed=config.seed,
+                     layer_index=layer_index)  # fmt: skip
+        hybrid = spec.hybrid
         # the order of the submodules is the order of the parameters, which the optimizer
         # state of a checkpoint follows: ln_1, attn, local_attn, ln_2, ffn
         self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.shared = config.shares_projections()
+        self.shared = hybrid is not None and hybrid.shared
         self.global_ablated = False  # with a local branch: see polysketch.nn.ablate_global
         self.local_attn = None
-        if not config.has_global(layer_index):  # global_every: the window alone
-            self.shared, local_window = False, None
-            self.attn = KernelAttention(config.n_embd, config.n_head, attention="sliding_window",
-                                        window=config.branches()[1], **layer)  # fmt: skip
+        window = spec.window_attention  # the branch beside the attention (or None)
+        if not spec.has_global(layer_index):  # global_every: the window alone
+            self.shared, window = False, None
+            self.attn = KernelAttention(config.n_embd, config.n_head, rope=config.rope,
+                                        attention=spec.window_attention, **layer)  # fmt: skip
         else:
-            self.attn = self._global_attention(
-                config, attention, {**layer, "rope": config.global_branch_rope()}
-            )
-        if local_window is not None:
-            shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
-            self.local_attn = KernelAttention(
-                config.n_embd, config.n_head, attention="sliding_window", window=local_window,
-                **layer, **shared,
+            self.attn = KernelAttention(
+                config.n_embd, spec.heads, attention=spec.attention, rope=spec.rope,
+                qk_dim=spec.qk_dim, value_dim=spec.value_dim, short_conv=config.short_conv,
+                **layer,
             )  # fmt: skip
+        if window is not None:
+            shared = dict(qk_dim=config.qk_dim, projections=False) if self.shared else {}
+            self.local_attn = KernelAttention(config.n_embd, config.n_head, attention=window,
+                                              rope=config.rope, **layer, **shared)  # fmt: skip
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.ffn = GLU(config.n_embd, config.ffn_hidden, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
-
-    @staticmethod
-    def _global_attention(config: TransformerConfig, attention: str, layer: dict):
-        """The configured attention of a layer (``global_heads`` heads beside a window)."""
-        heads = config.attention_heads()
-        qk_dim = config.qk_dim
-        if heads != config.n_head and qk_dim is None:  # the model's head dim, not n_embd/g
-            qk_dim = config.n_embd // config.n_head
-        return KernelAttention(
-            config.n_embd,
-            heads,
-            attention=attention,
-            qk_dim=qk_dim,
-            value_dim=config.attention_value_dim(),
-            short_conv=config.short_conv,
-            qk_norm=config.qk_norm,
-            mixed=config.mixed,
-            learn_balance=config.learn_balance,
-            gradient_surrogate=config.surrogate_weight(),
-            window=config.window,
-            **layer,
-            **config.map_options(),
-        )
 
     def cores(self) -> tuple:
         """The block's attention modules: (attn,) or (attn, local_attn)."""
@@ -378,14 +241,20 @@ class Block(nn.Module):
 class TransformerLM(nn.Module):
     """Decoder-only LM: idx (B, T) -> logits (B, T, V) (see the module docstring)."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, spec: ModelSpec | None = None):
+        """``spec``: the config's ``ModelSpec`` resolved already (a checkpoint's stored spec,
+        which keeps what the model computed when a preset of its name changed later); None
+        resolves ``config`` (``TransformerConfig.resolve``)."""
         super().__init__()
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        if spec is not None and not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec or None, got {type(spec).__name__}")
         self.config = config.validate()
+        self.spec = config.resolve() if spec is None else spec
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, self.spec, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:

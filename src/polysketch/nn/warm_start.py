@@ -36,9 +36,9 @@ def target_degree(layer: nn.Module) -> int:
     whose target is not a homogeneous polynomial (softmax kernels, inhomogeneous sketches)
     and for exact layers (softmax, polynomial), which have nothing to warm-start.
     """
-    if layer.algorithm == "mixed":
+    if layer.form == "mixed":
         return int(layer.degree)
-    if layer.algorithm != "linear":
+    if layer.form != "linear":
         raise ValueError(f"attention={layer.attention!r} is exact: nothing to warm-start")
     fmap = layer.feature_map.head_map(0)
     e1 = torch.zeros(1, layer.qk_dim)
@@ -60,7 +60,7 @@ def exact_attention_layers(model: nn.Module) -> list[nn.Module]:
     return [
         m
         for m in model.modules()
-        if isinstance(m, KernelAttention) and m.algorithm in ("linear", "mixed")
+        if isinstance(m, KernelAttention) and m.form in ("linear", "mixed")
     ]
 
 

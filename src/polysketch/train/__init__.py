@@ -22,6 +22,7 @@ from .checkpoint import (
     saved_config,
     set_rng_state,
     stored_model_config,
+    stored_spec,
 )
 from .config import TrainConfig
 from .distributed import DistContext, rank_slice
@@ -49,4 +50,5 @@ __all__ = [
     "set_rng_state",
     "saved_config",
     "stored_model_config",
+    "stored_spec",
 ]

@@ -52,12 +52,15 @@ import struct
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .._files import atomic_write, remove_stale_temporaries
+
+if TYPE_CHECKING:
+    from ..nn import ModelSpec
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -71,6 +74,8 @@ __all__ = [
     "state_digest",
     "remove_stale_temporaries",
     "saved_config",
+    "stored_model_config",
+    "stored_spec",
 ]
 
 CHECKPOINT_FORMAT = "polysketch.checkpoint"
@@ -371,7 +376,27 @@ def stored_model_config(config) -> dict:
             config = TransformerConfig(**saved)
         except TypeError:
             return saved
-    return {**dataclasses.asdict(config), "gradient_surrogate": config.surrogate_weight()}
+    try:
+        lam = config.resolve().attention.gradient_surrogate
+    except (TypeError, ValueError):  # not a config of today's models: compares as it is
+        return dataclasses.asdict(config)
+    return {**dataclasses.asdict(config), "gradient_surrogate": lam}
+
+
+def stored_spec(state: Mapping | None, path) -> ModelSpec | None:
+    """The ``ModelSpec`` a checkpoint stores (``model_spec``: what its model computed, kept
+    when a preset of the same name changes later), or None for a checkpoint written before
+    specs were stored (its ``model_config`` is resolved instead; ``stored_model_config``
+    wrote out the one preset value that could change under it, λ). ``CheckpointError`` when
+    the stored spec does not parse."""
+    from ..nn import ModelSpec
+
+    if state is None or state.get("model_spec") is None:
+        return None
+    try:
+        return ModelSpec.from_dict(state["model_spec"])
+    except (TypeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path}: its model_spec does not parse ({err})") from None
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None):
@@ -390,7 +415,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     if "model_config" not in state or "model" not in state:
         raise CheckpointError(f"checkpoint {path} was not written by `polysketch train`")
     try:
-        model = TransformerLM(TransformerConfig(**state["model_config"]).validate())
+        config = TransformerConfig(**state["model_config"]).validate()
+        model = TransformerLM(config, stored_spec(state, path))
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as err:
         detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)

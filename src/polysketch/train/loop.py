@@ -61,7 +61,9 @@ from .checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
+    set_rng_state,
     stored_model_config,
+    stored_spec,
 )
 from .config import TrainConfig
 from .mesh import Layout
@@ -202,10 +204,13 @@ def train(
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
         layout = mesh.make_layout(ctx, cp=cfg.cp, fsdp=cfg.fsdp)
-        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout,
-                         init_weights)  # fmt: skip
+        state = None  # the checkpoint's RNG states are restored by run.restore
         if resume:
-            run.restore(ckpt_path, ctx.device)
+            state = load_checkpoint(ckpt_path, map_location=ctx.device, restore_rng=False)
+        run = _Run.start(model_config, cfg, data, block_size, ctx.device, metadata, layout,
+                         init_weights, stored_spec(state, ckpt_path))  # fmt: skip
+        if resume:
+            run.restore(state, ckpt_path)
         model = run.model
         if ctx.distributed and not layout.uses_mesh:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -326,13 +331,14 @@ class _Run:
 
     @classmethod
     def start(cls, model_config, cfg, data, block_size, device, metadata, layout=None,
-              init_weights=None) -> _Run:  # fmt: skip
+              init_weights=None, model_spec=None) -> _Run:  # fmt: skip
         """A fresh run: torch's global RNG seeded with ``cfg.seed``, then the model (weights
-        from ``model_config.seed``, or ``init_weights``; sharded by FSDP2 when
-        ``layout.fsdp``), AdamW, the schedule and the data sampler."""
+        from ``model_config.seed``, or ``init_weights``; its ``ModelSpec`` ``model_spec``
+        when given, a resumed checkpoint's; sharded by FSDP2 when ``layout.fsdp``), AdamW,
+        the schedule and the data sampler."""
         layout = Layout() if layout is None else layout
         torch.manual_seed(cfg.seed)
-        model = TransformerLM(model_config)
+        model = TransformerLM(model_config, model_spec)
         if init_weights is not None:
             try:
                 model.load_state_dict(init_weights)
@@ -353,11 +359,12 @@ class _Run:
         return cls(model_config, cfg, model, optimizer, scheduler, batches, metadata or {},
                    layout, separator)  # fmt: skip
 
-    def restore(self, ckpt_path: Path, device) -> None:
-        """Continue the run saved at ``ckpt_path`` (its RNG states included); the schedule is
-        stretched to ``cfg.steps`` when the run is extended. ``CheckpointError`` when the
-        checkpoint does not fit this run."""
-        state = load_checkpoint(ckpt_path, map_location=device)
+    def restore(self, state: dict, ckpt_path: Path) -> None:
+        """Continue the run saved at ``ckpt_path`` (``state``, loaded with its RNG states
+        restored); the schedule is stretched to ``cfg.steps`` when the run is extended.
+        ``CheckpointError`` when the checkpoint does not fit this run."""
+        if "rng" in state:
+            set_rng_state(state["rng"])
         saved = stored_model_config(state.get("model_config", {}))
         if saved != stored_model_config(self.model_config):  # a field added since: its default
             raise CheckpointError(
@@ -394,6 +401,7 @@ class _Run:
             "data": self.batches.state_dict(),
             "step": self.step,
             "model_config": stored_model_config(self.model_config),
+            "model_spec": self.model.spec.to_dict(),
             "train_config": asdict(self.cfg),
             "history": self.history,
             "metadata": self.metadata,

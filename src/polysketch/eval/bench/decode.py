@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..._checks import check_int, check_positive_int
-from ..attention_spec import config_options
+from ...nn.resolve import config_options
 
 __all__ = ["DECODE_ATTENTIONS", "DECODE_FIELDS", "DecodeBenchConfig", "time_decode", "rows_of",
            "run_decode_benchmark", "format_decode_report", "write_decode_csv"]  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 from ..._checks import check_choice, check_positive_int
 from ..._files import write_csv
 from ...nn import TransformerConfig, TransformerLM
-from ..attention_spec import config_options, parse_attention, preset_chunk_size
+from ...nn.resolve import config_options, parse_attention, preset_chunk_size
 from ..plots import log_axes, save_png, subplots
 from .attention import parse_lengths
 from .report import _fmt

@@ -104,7 +104,7 @@ def capture_qk(
     missing = [i for i in chosen if i not in records]
     if missing:
         raise RuntimeError(f"attention layers {missing} were not called by the forward pass")
-    return [CapturedQK(i, found[i].attention, found[i].algorithm, *records[i]) for i in chosen]
+    return [CapturedQK(i, found[i].attention, found[i].form, *records[i]) for i in chosen]
 
 
 @torch.no_grad()

@@ -52,6 +52,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..._checks import check_int, check_positive_int
 from ...nn.core import AttentionCore
+from ...nn.resolve import as_spec
+from ...nn.spec import AttentionSpec
 
 __all__ = ["ATTENTION_NAME", "PolysketchAttention", "polysketch_attention_forward"]
 
@@ -68,7 +70,9 @@ class PolysketchAttention(AttentionCore):
 
     Args:
         attention: ``"softmax"``, ``"polynomial"``, a preset (``psf_random``, ``psf_learned``,
-            ``psf_mixed``, ``sliding_window``) or a ``polysketch.features.available()`` name.
+            ``psf_mixed``, ``sliding_window``) or a ``polysketch.features.available()`` name,
+            resolved here with the options below (``polysketch.nn.resolve``); or an
+            ``AttentionSpec`` resolved already (``scaling`` is then the spec's).
         head_dim: D. num_heads: H (query heads). layer_index: seeds head maps.
         scaling: the model's softmax scale (maps whose target is exp(scale·q·k), softmax
             random features and ``hedgehog``, get it as ``scale``; the window's softmax too).
@@ -87,7 +91,7 @@ class PolysketchAttention(AttentionCore):
 
     def __init__(
         self,
-        attention: str,
+        attention: str | AttentionSpec,
         *,
         head_dim: int,
         num_heads: int,
@@ -102,13 +106,16 @@ class PolysketchAttention(AttentionCore):
         window: int | None = None,
         **map_kwargs,
     ):
+        head_dim = check_positive_int(head_dim, "head_dim")
+        spec = as_spec(
+            attention, head_dim, map_kwargs, qk_norm=qk_norm,
+            denominator_offset=denominator_offset, mixed=mixed, window=window,
+            learn_balance=learn_balance,
+            softmax_scale=None if isinstance(attention, AttentionSpec) else float(scaling),
+        )  # fmt: skip
         super().__init__(
-            attention, qk_dim=check_positive_int(head_dim, "head_dim"), num_heads=num_heads,
-            causal=True, chunk_size=chunk_size, qk_norm=qk_norm,
-            denominator_offset=denominator_offset, seed=seed,
-            layer_index=check_int(layer_index, "layer_index", minimum=0), mixed=mixed,
-            learn_balance=learn_balance, window=window, softmax_scale=float(scaling),
-            **map_kwargs,
+            spec, qk_dim=head_dim, num_heads=num_heads, causal=True, chunk_size=chunk_size,
+            seed=seed, layer_index=check_int(layer_index, "layer_index", minimum=0),
         )  # fmt: skip
         self.head_dim = self.qk_dim
         self.q_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
@@ -124,7 +131,7 @@ class PolysketchAttention(AttentionCore):
     def uses_state_cache(self) -> bool:
         """Whether decoding keeps its own state (linear, mixed, window: a ``PolysketchCache``)
         instead of transformers' KV cache (softmax, polynomial: a ``DynamicCache``)."""
-        return self.algorithm in ("linear", "mixed", "window")
+        return self.form in ("linear", "mixed", "window")
 
     def new_state(self):
         """An empty per-layer decode state (``AttentionCore.new_cache``)."""
@@ -209,9 +216,9 @@ def polysketch_attention_forward(
             "polysketch.integrations.transformers.convert(model) first"
         )
     layer_cache, core._active_cache[0] = core._active_cache[0], None
-    softmax_needed = core.algorithm == "softmax" or (core.transfer and torch.is_grad_enabled())
+    softmax_needed = core.form == "softmax" or (core.transfer and torch.is_grad_enabled())
     softcap = kwargs.get("softcap")
-    if softcap is not None and core.algorithm != "softmax" and not core.drop_softcap:
+    if softcap is not None and core.form != "softmax" and not core.drop_softcap:
         raise ValueError(
             f"this layer soft-caps its attention logits (softcap={softcap}), which "
             f"attention={core.attention!r} cannot apply: convert with softcap='drop' to drop "
@@ -226,7 +233,7 @@ def polysketch_attention_forward(
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, **kwargs,
             )  # fmt: skip
-        if core.algorithm == "softmax":
+        if core.form == "softmax":
             return reference, None
     if query.shape[1] % key.shape[1]:
         raise ValueError(

@@ -161,7 +161,7 @@ def check_cache(cache, core: PolysketchAttention, layer_idx: int | None = None) 
     attention: transformers makes one itself in a plain forward with ``use_cache=True``, and
     a full forward reads nothing from it (handing it back for a next step is refused then).
     """
-    if cache is None or core.algorithm == "softmax":
+    if cache is None or core.form == "softmax":
         return
     name = type(cache).__name__
     plain = type(cache) is DynamicCache and not getattr(cache, "offloading", False)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..._checks import check_int, check_positive_int
-from ...nn.presets import PRESETS, valid_attentions
+from ...nn.resolve import resolve_attention, valid_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
 from .policies import check_policies, configured_window, install_cache_guards, register
@@ -134,7 +134,7 @@ def _check_settings(
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
     if attention not in valid_attentions():
         raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
-    if PRESETS.get(attention, {}).get("settings", {}).get("local") == "none":
+    if _reads_far_blocks_only(attention, mixed, map_kwargs):
         raise ValueError(
             f"attention={attention!r} reads only the blocks before each query's own and needs "
             "an exact window beside it, which a converted layer does not have; convert with "
@@ -170,6 +170,17 @@ def _check_settings(
         "softcap": softcap,
         "map_kwargs": dict(map_kwargs),
     }
+
+
+def _reads_far_blocks_only(attention: str, mixed: bool, map_kwargs: dict) -> bool:
+    """Whether ``attention`` resolves to mixed attention without in-block scores (it needs an
+    exact window beside it, which a converted layer does not have). The spec's form does not
+    depend on the head size, so any size resolves it."""
+    try:
+        spec = resolve_attention(attention, 1, map_kwargs, mixed=mixed)
+    except ValueError:  # an invalid combination: refused with its own message later
+        return False
+    return spec.form == "mixed" and spec.local == "none"
 
 
 def convert(
@@ -261,7 +272,7 @@ def _install_generate_cache(model: nn.Module, core: PolysketchAttention, window:
     (a ``PolysketchCache`` for state attentions; a full ``DynamicCache`` for ``polynomial``
     in a model with sliding layers), and refuse an unsupported one before the prefill."""
     cls_method = type(model)._prepare_cache_for_generation
-    if core.algorithm == "softmax":  # the model's own attention and caches
+    if core.form == "softmax":  # the model's own attention and caches
         model.__dict__.pop("_prepare_cache_for_generation", None)
         return
 

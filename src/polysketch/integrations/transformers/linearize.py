@@ -196,7 +196,7 @@ def attention_transfer(
     params = trainable_attention_parameters(model)
     if not params or steps == 0:
         return []
-    if cores[0].algorithm == "softmax":
+    if cores[0].form == "softmax":
         raise ValueError("attention transfer needs a kernelized attention, not softmax")
     requires = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():

@@ -3,13 +3,13 @@
 import pytest
 
 from polysketch.eval import mqar_sweep
-from polysketch.eval.attention_spec import (
+from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn.resolve import (
     MODEL_KEYS,
     config_options,
     parse_attention,
     split_attentions,
 )
-from polysketch.nn import TransformerConfig, TransformerLM
 
 
 def test_split_attentions_continues_keywords_of_the_spec_before():

@@ -1,0 +1,305 @@
+"""Typed, frozen specs of what a layer computes: an attention name resolved once.
+
+``polysketch.nn.resolve`` turns the names and options a user gives (``TransformerConfig``,
+``KernelAttention(attention=...)``, ``convert(model, attention=...)``, a CLI ``NAME:k=v``
+string) into these values at the edge; everything below reads them and nothing re-reads the
+preset tables (``polysketch.nn.presets``).
+
+* ``AttentionSpec``: what one attention core computes (``AttentionCore``). Its ``form`` is
+
+  - ``"linear"``: s_ij = φq(q_i)·φk(k_j) (squared when the map is ``square``), normalized
+    linear attention (``ops.linear_attention``);
+  - ``"mixed"``: exact local scores inside blocks of ``chunk_size`` (``local``: the degree-p
+    polynomial, ``"relu"``, or ``"none"`` = no in-block scores) and the map for every earlier
+    block, one normalizer (``ops.mixed_attention``);
+  - ``"window"``: an exact kernel (``window_kernel``) over the last ``window`` keys
+    (``ops.window_attention``);
+  - ``"softmax"`` / ``"polynomial"``: the exact quadratic kernels (PolySketchFormer Eq. 1).
+
+  (``form`` is the nn-level choice; ``ops``' ``algorithm=`` names how a linear form is
+  computed: chunked, blocks, Triton.)
+* ``HybridSpec``: a sliding-window softmax branch beside every layer's attention (BASED's
+  local + global design; ``Block``): its window, the attention's heads, the layers that have
+  the attention (``every``), RoPE on the attention's q/k, its per-head values, whether the
+  branches share one projection.
+* ``ModelSpec``: a ``TransformerLM``'s attention and hybrid, with the per-head sizes resolved.
+
+Each spec validates itself when built and converts to and from a plain dict
+(``to_dict``/``from_dict``), which is how checkpoints store it: a checkpoint keeps what its
+model computed even when a preset of the same name changes later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "FORMS",
+    "LOCAL_KERNELS",
+    "WINDOW_KERNELS",
+    "AttentionSpec",
+    "FrozenMap",
+    "HybridSpec",
+    "ModelSpec",
+]
+
+FORMS = ("linear", "mixed", "window", "softmax", "polynomial")
+LOCAL_KERNELS = ("polynomial", "relu", "none")
+WINDOW_KERNELS = ("softmax", "polynomial")
+
+
+class FrozenMap(Mapping):
+    """A read-only mapping (keys sorted, so equal specs compare and print alike) that copies,
+    pickles and compares as the dict it holds: a spec's ``map_kwargs``."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, mapping: Mapping[str, Any] | None = None):
+        data = dict(mapping or {})
+        object.__setattr__(self, "_data", {k: data[k] for k in sorted(data)})
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self._data))
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a FrozenMap is read-only")
+
+    def __reduce__(self):
+        return FrozenMap, (self._data,)
+
+
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return mapping if isinstance(mapping, FrozenMap) else FrozenMap(mapping)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention core computes (module docstring). Built by ``resolve_attention``.
+
+    Fields: ``name`` (what the user named: a preset or a feature map), ``form``,
+    ``feature_map`` (a ``features.available()`` name, for the linear and mixed forms),
+    ``map_kwargs`` (its keywords, read-only), ``qk_norm`` (LayerNorm on q and k),
+    ``denominator_offset`` (1 for PolySketchFormer's 1 + Σ), ``degree`` (of the exact
+    polynomial: the polynomial form, mixed local blocks, a polynomial window), ``local`` (the
+    mixed form's in-block kernel), ``window`` / ``window_kernel`` (the window form),
+    ``learn_balance`` (mixed: a learned per-head weight of the far blocks), and
+    ``gradient_surrogate`` (λ of a training-only gradient of mixed attention without in-block
+    scores, exactly 0 in value; ``AttentionCore``), ``softmax_scale`` (the scale of softmax
+    scores, exact or windowed; None: 1/√D).
+    """
+
+    name: str
+    form: str
+    feature_map: str | None = None
+    map_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    qk_norm: bool = False
+    denominator_offset: float = 0.0
+    degree: int = 4
+    local: str = "polynomial"
+    window: int | None = None
+    window_kernel: str = "softmax"
+    learn_balance: bool = False
+    gradient_surrogate: float = 0.0
+    softmax_scale: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "map_kwargs", _frozen(self.map_kwargs))
+        scale = self.softmax_scale
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+                raise ValueError(f"softmax_scale must be a float > 0 or None, got {scale!r}")
+            object.__setattr__(self, "softmax_scale", float(scale))
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        if (self.feature_map is None) == (self.form in ("linear", "mixed")):
+            raise ValueError(
+                f"the {self.form} form {'needs' if self.feature_map is None else 'takes no'} "
+                f"feature map, got feature_map={self.feature_map!r}"
+            )
+        if self.local not in LOCAL_KERNELS:
+            raise ValueError(f"local must be one of {LOCAL_KERNELS}, got {self.local!r}")
+        if self.window_kernel not in WINDOW_KERNELS:
+            raise ValueError(f"kernel must be one of {WINDOW_KERNELS}, got {self.window_kernel!r}")
+        if (self.window is not None) != (self.form == "window"):
+            raise ValueError(
+                'window= is an option of attention="sliding_window" (the window form), got '
+                f"window={self.window!r} for attention={self.name!r}"
+            )
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 1:
+            raise ValueError(f"degree must be an int >= 1, got {self.degree!r}")
+        for name in ("qk_norm", "learn_balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        offset = self.denominator_offset
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise TypeError(f"denominator_offset must be a float, got {offset!r}")
+        if not math.isfinite(offset):
+            raise ValueError(f"denominator_offset must be finite, got {offset!r}")
+        object.__setattr__(self, "denominator_offset", float(offset))
+        lam = self.gradient_surrogate
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam >= 0:
+            raise ValueError(f"gradient_surrogate must be a float >= 0, got {lam!r}")
+        object.__setattr__(self, "gradient_surrogate", float(lam))
+        if self.learn_balance and (self.form != "mixed" or self.local == "none"):
+            raise ValueError(
+                "learn_balance=True weighs the far blocks against exact local blocks: it needs "
+                f"mixed attention with in-block scores (mixed=True or psf_mixed), got "
+                f"attention={self.name!r} ({self.describe_form()})"
+            )
+        if self.gradient_surrogate and (self.form != "mixed" or self.local != "none"):
+            raise ValueError(
+                "gradient_surrogate needs mixed attention without in-block scores (local='none', "
+                f"e.g. soft_hash_far), got attention={self.name!r} ({self.describe_form()})"
+            )
+
+    def describe_form(self) -> str:
+        """The form, with the mixed form's in-block kernel: ``"mixed, local='none'"``."""
+        return f"{self.form}, local={self.local!r}" if self.form == "mixed" else self.form
+
+    @property
+    def needs_causal(self) -> bool:
+        """Whether it is defined only for causal attention (mixed blocks, the window)."""
+        return self.form in ("mixed", "window")
+
+    def to_dict(self) -> dict:
+        """A plain, JSON-friendly dict (``from_dict`` inverts it)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return out | {"map_kwargs": dict(self.map_kwargs)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttentionSpec:
+        """The spec of ``to_dict``; unknown keys are refused (ValueError naming them)."""
+        return cls(**_known(cls, data, "AttentionSpec"))
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """A sliding-window softmax branch beside every layer's attention (``Block``).
+
+    ``window``: the keys each query of the branch sees (itself included). ``heads``: the
+    attention's heads beside it (None: the model's n_head). ``every``: only layers k-1,
+    2k-1, ... have the attention, the others the window alone (None: every layer). ``rope``:
+    RoPE on the attention's q/k (None: the model's ``rope``). ``value_fraction``: the
+    attention's per-head values as a fraction of the model's head dim, rounded down (None: the
+    attention's default width). ``shared``: the branches read one q/k/v projection and share
+    the output projection. A ``ModelSpec`` holds it with ``heads`` and ``rope`` resolved.
+    """
+
+    window: int
+    heads: int | None = None
+    every: int | None = None
+    rope: bool | None = None
+    value_fraction: float | None = None
+    shared: bool = False
+
+    def __post_init__(self):
+        for name in ("window", "heads", "every"):
+            value = getattr(self, name)
+            if value is None and name != "window":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                what = {"window": "local_window", "heads": "global_heads",
+                        "every": "global_every"}[name]  # fmt: skip
+                raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+        if self.rope is not None and not isinstance(self.rope, bool):
+            raise TypeError(f"global_rope must be a bool or None, got {self.rope!r}")
+        if not isinstance(self.shared, bool):
+            raise TypeError(f"local_shared must be a bool, got {self.shared!r}")
+        fraction = self.value_fraction
+        if fraction is not None and not (isinstance(fraction, (int, float)) and fraction > 0):
+            raise ValueError(f"value_fraction must be a float > 0, got {fraction!r}")
+
+    def has_global(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` has the attention beside its window (``every``)."""
+        return self.every is None or (layer_index + 1) % self.every == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HybridSpec:
+        return cls(**_known(cls, data, "HybridSpec"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A ``TransformerLM``'s attention, resolved (``resolve_model``).
+
+    ``attention``: every layer's attention (the global branch beside a window).
+    ``heads``: its heads. ``qk_dim`` / ``value_dim``: its per-head query/key and value sizes
+    (None: the layer's default, n_embd / heads). ``rope``: RoPE on its q and k.
+    ``hybrid``: the window branch beside it (``heads`` and ``rope`` resolved) or None, and
+    ``window_attention`` that branch's attention (exact softmax over the last w keys).
+    """
+
+    attention: AttentionSpec
+    heads: int
+    qk_dim: int | None = None
+    value_dim: int | None = None
+    rope: bool = True
+    hybrid: HybridSpec | None = None
+    window_attention: AttentionSpec | None = None
+
+    def __post_init__(self):
+        if (self.hybrid is None) != (self.window_attention is None):
+            raise ValueError("a ModelSpec has a window_attention exactly when it has a hybrid")
+
+    def has_global(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` runs ``attention`` (``HybridSpec.every``)."""
+        return self.hybrid is None or self.hybrid.has_global(layer_index)
+
+    def to_dict(self) -> dict:
+        return {
+            "attention": self.attention.to_dict(),
+            "heads": self.heads,
+            "qk_dim": self.qk_dim,
+            "value_dim": self.value_dim,
+            "rope": self.rope,
+            "hybrid": None if self.hybrid is None else self.hybrid.to_dict(),
+            "window_attention": (
+                None if self.window_attention is None else self.window_attention.to_dict()
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        data = _known(cls, data, "ModelSpec")
+        hybrid, window = data.get("hybrid"), data.get("window_attention")
+        return cls(**{
+            **data,
+            "attention": AttentionSpec.from_dict(data["attention"]),
+            "hybrid": None if hybrid is None else HybridSpec.from_dict(hybrid),
+            "window_attention": None if window is None else AttentionSpec.from_dict(window),
+        })  # fmt: skip
+
+
+def _known(cls, data: Mapping[str, Any], what: str) -> dict:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{what} must be read from a dict, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{what}: unknown fields {unknown} (known: {sorted(names)})")
+    return dict(data)
