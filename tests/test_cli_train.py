@@ -419,3 +419,24 @@ def test_the_config_header_is_printed_before_the_first_step(tmp_path, text_file,
     assert "2 micro-batches of 2" in header
     assert "device cpu" in header and "float32" in header
     assert "warmup 0" in header and "2 steps" in header
+
+
+def test_mqar_takes_no_progress_like_every_command(tmp_path, capsys, monkeypatch):
+    """Issue 43: ``--no-progress`` (progress on by default), as train, approx, bench, demo."""
+    from polysketch.commands import mqar
+
+    seen = []
+
+    def sweep(attentions, **kwargs):
+        seen.append(kwargs["progress"])
+        return []
+
+    monkeypatch.setattr(mqar, "run_sweep", sweep)
+    monkeypatch.setattr(mqar, "plot_sweep", lambda *a, **k: None)
+    for i, (flag, progress) in enumerate((([], True), (["--no-progress"], False))):
+        main(["mqar", "--quick", "--attentions", "softmax", "--out", str(tmp_path / f"o{i}"),
+              *flag])  # fmt: skip
+        assert seen.pop() is progress
+    with pytest.raises(SystemExit):
+        main(["mqar", "--quick", "--progress", "--out", str(tmp_path / "o2")])
+    capsys.readouterr()
