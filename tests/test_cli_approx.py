@@ -230,3 +230,39 @@ def test_approx_fit_init_data_alone_measures_the_closed_form_start(tmp_path):
     assert rows["built"]["fit_init"] == ""
     assert float(rows["start"]["rel_frobenius_mean"]) < 1e-8
     assert float(rows["built"]["rel_frobenius_mean"]) > 0.1
+
+
+def test_approx_unknown_map_is_an_error_and_writes_nothing(tmp_path, capsys):
+    """Issue 43 item 4: a typo'd --maps name is an error line and exit 2, in both modes,
+    before any folder or file is written."""
+    tiny = ["--dim", "4", "--num", "8", "--trials", "1", "--feature-dims", "8", "--no-progress"]
+    out = tmp_path / "poly"
+    assert main(["approx", "--maps", "polysketh", "--out", str(out), *tiny]) == 2
+    err = capsys.readouterr().err
+    assert "polysketch approx: error: --maps" in err and "'polysketh'" in err
+    assert "did you mean 'polysketch'" in err
+    assert not out.exists()
+    out = tmp_path / "soft"
+    argv = ["approx", "--kernel", "softmax", "--maps", "positve", "--out", str(out), *tiny]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --maps" in err and "'positve'" in err and "did you mean 'positive'" in err
+    assert not out.exists()
+    # a registered map outside softmax mode's family is named as such, not a traceback
+    argv = ["approx", "--kernel", "softmax", "--maps", "polysketch", "--out", str(out), *tiny]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'polysketch'" in err and "softmax" in err and not out.exists()
+
+
+def test_approx_that_measures_nothing_is_an_error(tmp_path, capsys):
+    """Every map skipped (here: F over --max-feature-dim): the skips are shown, nothing is
+    written, exit 2."""
+    out = tmp_path / "res"
+    argv = ["approx", "--maps", "tensor_power", "--degrees", "4", "--dim", "8", "--num", "8",
+            "--max-feature-dim", "16", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "skipped:" in captured.out and "tensor_power" in captured.out
+    assert "error: nothing was measured" in captured.err
+    assert not (out / "results.csv").exists() and not (out / "fidelity.png").exists()

@@ -241,3 +241,17 @@ def test_resume_of_a_cuda_run_on_a_machine_without_cuda(tmp_path, corpus, capsys
     _error_line(capsys, "train", "the checkpoint's", "CUDA is not available")
     assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--no-progress",
                  "--device", "cpu"]) == 0  # fmt: skip
+
+
+def test_a_typod_flag_prints_the_commands_usage(capsys):
+    """Issue 43: ``train --attenton x`` shows train's usage and names the flag it resembles."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--attenton", "x"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: polysketch train ")
+    assert "polysketch train: error: unrecognized arguments: --attenton x" in err
+    assert "did you mean --attention?" in err
+    with pytest.raises(SystemExit):  # before any command: the top-level usage
+        main(["--bogus"])
+    assert capsys.readouterr().err.startswith("usage: polysketch [-h]")

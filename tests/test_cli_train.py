@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from polysketch._checks import parse_key_values
 from polysketch.cli import main
@@ -317,3 +318,125 @@ def test_train_takes_a_model_preset(tmp_path, capsys):
                  "--out", str(tmp_path / "bad_every"), *TINY, "--n-layer", "2"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "error:" in err and "global_every" in err
+
+
+# ----- issue 43: short runs, out of memory, the header --------------------------------------
+def test_default_warmup_scales_to_a_short_run(tmp_path, text_file, capsys):
+    """Without --warmup-steps, warmup is 10% of --steps (at most 100): a 20-step run leaves
+    warmup after 2 steps and its last step's rate is near --min-lr, no warning."""
+    out = tmp_path / "short"
+    argv = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "20",
+            "--eval-interval", "20", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    assert state["train_config"]["warmup_steps"] == 2
+    lrs = [r["lr"] for r in state["history"]["train"]]
+    assert max(lrs) == pytest.approx(1e-3, rel=0.02)  # the peak --lr is reached
+    assert lrs[-1] < 0.15e-3  # and the cosine decays to the floor (--min-lr 1e-4)
+
+
+def test_default_warmup_of_a_long_run_is_unchanged():
+    from polysketch.commands.train import default_warmup
+
+    assert default_warmup(1000) == 100 and default_warmup(5000) == 100
+    assert default_warmup(30) == 3 and default_warmup(5) == 0
+
+
+def test_an_explicit_warmup_longer_than_the_run_is_warned_about(tmp_path, text_file, capsys):
+    out = tmp_path / "warm"
+    argv = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "3",
+            "--warmup-steps", "100", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning:" in line]
+    assert len(lines) == 1, err  # one line, not the library's warning as well
+    assert "polysketch train: warning: --warmup-steps 100" in lines[0] and "--steps 3" in lines[0]
+    assert "2.97e-05" in lines[0]  # the rate of the last step: 1e-3 · 3 / 101
+
+
+def _oom(kind):
+    def step(*args, **kwargs):
+        if kind == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+            "allocate memory: you tried to allocate 40000000000000 bytes."
+        )
+
+    return step
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_out_of_memory_is_an_error_line_and_leaves_no_folder(tmp_path, text_file, capsys,
+                                                              monkeypatch, kind):  # fmt: skip
+    """Issue 43 item 6, the allocation failure injected (nothing is allocated): exit 2, one
+    error line naming the batch and block size, no folder left to refuse the rerun; the
+    config header was printed before the first step (item 7)."""
+    from polysketch.train import loop
+
+    out = tmp_path / "oom"
+    argv = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "2", *TINY]
+    real = loop._optimizer_step
+    monkeypatch.setattr(loop, "_optimizer_step", _oom(kind))
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("polysketch train: error: out of memory")
+    assert "batch size 4" in errors[0] and "block size 16" in errors[0], errors[0]
+    assert "Traceback" not in captured.err
+    assert "tokens per step" in captured.out  # the header came first
+    assert not out.exists()
+    monkeypatch.setattr(loop, "_optimizer_step", real)
+    assert main(argv) == 0  # the corrected rerun is not refused
+
+
+def test_a_failed_run_keeps_a_folder_the_user_made(tmp_path, text_file, capsys, monkeypatch):
+    from polysketch.train import loop
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    monkeypatch.setattr(loop, "_optimizer_step", _oom("cpu"))
+    argv = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "2", *TINY]
+    assert main(argv) == 2
+    assert out.is_dir() and not any(out.iterdir())
+
+
+def test_the_config_header_is_printed_before_the_first_step(tmp_path, text_file, capsys):
+    out = tmp_path / "head"
+    argv = ["train", "--corpus", str(text_file), "--out", str(out), "--steps", "2",
+            "--grad-accum", "2", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = "\n".join(lines[:4])
+    from polysketch.nn import TransformerConfig, TransformerLM
+
+    config = TransformerConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                               chunk_size=8)  # fmt: skip
+    params = TransformerLM(config).num_parameters()
+    assert f"{params:,} parameters" in header
+    assert "4 sequences x 16 tokens = 64 tokens per step" in header
+    assert "2 micro-batches of 2" in header
+    assert "device cpu" in header and "float32" in header
+    assert "warmup 0" in header and "2 steps" in header
+
+
+def test_mqar_takes_no_progress_like_every_command(tmp_path, capsys, monkeypatch):
+    """Issue 43: ``--no-progress`` (progress on by default), as train, approx, bench, demo."""
+    from polysketch.commands import mqar
+
+    seen = []
+
+    def sweep(attentions, **kwargs):
+        seen.append(kwargs["progress"])
+        return []
+
+    monkeypatch.setattr(mqar, "run_sweep", sweep)
+    monkeypatch.setattr(mqar, "plot_sweep", lambda *a, **k: None)
+    for i, (flag, progress) in enumerate((([], True), (["--no-progress"], False))):
+        main(["mqar", "--quick", "--attentions", "softmax", "--out", str(tmp_path / f"o{i}"),
+              *flag])  # fmt: skip
+        assert seen.pop() is progress
+    with pytest.raises(SystemExit):
+        main(["mqar", "--quick", "--progress", "--out", str(tmp_path / "o2")])
+    capsys.readouterr()

@@ -428,8 +428,11 @@ def test_cli_linearize_end_to_end(tmp_path, capsys):
                "--transfer-steps", "2", "--finetune-steps", "2", "--eval-batches", "1",
                "--chunk-size", "8", "--mixed", "--map-kw", "num_features=8"])  # fmt: skip
     assert rc == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "perplexity" in printed and "KV cache" in printed
+    # progress shows though stderr is not a terminal (issue 43)
+    assert "attention transfer" in captured.err and "fine-tune (lora)" in captured.err
     res = json.loads((out / "results.json").read_text())[0]
     for stage in ("original", "converted", "transfer", "finetune"):
         assert res[f"loss_{stage}"] > 0
@@ -437,6 +440,25 @@ def test_cli_linearize_end_to_end(tmp_path, capsys):
     assert (out / "results.csv").exists() and (out / "linearize.png").stat().st_size > 0
     settings = load_converted(out / "model").config.polysketch
     assert settings["attention"] == "psf_learned" and settings["mixed"] is True
+
+
+def test_cli_linearize_no_progress_reaches_the_config(tmp_path, capsys, monkeypatch):
+    import polysketch.integrations.transformers as hf
+
+    seen = {}
+
+    def stop(model, attention, data, *, config, **kwargs):
+        seen["progress"] = config.progress
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(hf, "linearize_saved", stop)
+    model = tiny("llama", vocab=256, layers=1)
+    model.save_pretrained(tmp_path / "base")
+    for flag, progress in (([], True), (["--no-progress"], False)):
+        out = tmp_path / f"out{len(flag)}"
+        assert main(["linearize", "--model", str(tmp_path / "base"), "--out", str(out), *flag]) == 2
+        assert seen.pop("progress") is progress
+    assert "stopped here" in capsys.readouterr().err
 
 
 def test_cli_linearize_reports_bad_model(tmp_path, capsys):

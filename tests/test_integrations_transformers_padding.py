@@ -87,3 +87,86 @@ def test_left_padded_forward_equals_each_row_alone(attention, kw):
             truth = exact(input_ids=p[None], use_cache=False).logits[0]
             # a padded batch rounds in other shapes than the row alone: as accurate as it
             assert_as_accurate(got[b, ids.shape[1] - len(p) :], ref, truth)
+
+
+# ----- a plain forward without position_ids (issue 43 item 3) -----------------------------
+# Every attention ``convert`` accepts that has a preset (soft_hash_far is refused), on a RoPE
+# family and on GPT-2 (learned absolute positions): the caller passes only the mask.
+PRESET_SETTINGS = [
+    ("psf_random", {}),
+    ("psf_learned", {}),
+    ("psf_mixed", {}),
+    ("polynomial", {}),
+    ("soft_hash_1k", {}),
+    ("softmax", {}),
+    ("sliding_window", {"window": 24}),
+    ("hedgehog", {}),
+    ("positive", {"mixed": True}),
+]
+PRESET_IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in PRESET_SETTINGS]
+
+
+def _tiny(family):
+    from test_integrations_transformers import tiny
+
+    return tiny(family, vocab=V)
+
+
+def test_every_convertible_preset_is_in_the_list():
+    from polysketch.nn.presets import PRESETS
+
+    refused = {"soft_hash_far"}  # reads no local window: convert refuses it
+    assert set(PRESETS) - refused <= {a for a, _ in PRESET_SETTINGS}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("attention,kw", PRESET_SETTINGS, ids=PRESET_IDS)
+def test_left_padded_forward_without_position_ids_equals_each_row_alone(family, attention, kw):
+    model = _tiny(family)
+    convert(model, attention, chunk_size=64, **kw)
+    prompts, ids, mask = _batch()
+    exact = copy.deepcopy(model).double()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for b, p in enumerate(prompts):
+            ref = model(input_ids=p[None], use_cache=False).logits[0]
+            truth = exact(input_ids=p[None], use_cache=False).logits[0]
+            assert_as_accurate(got[b, ids.shape[1] - len(p) :], ref, truth)
+
+
+def test_left_padded_cached_steps_without_position_ids_equal_each_row_alone():
+    """A hand-written decode loop passing only the growing mask (no position_ids)."""
+    from polysketch.integrations.transformers import PolysketchCache
+
+    model = _tiny("llama")
+    convert(model, "psf_mixed", chunk_size=64)
+    prompts, ids, mask = _batch()
+    nxt = torch.randint(1, V, (len(prompts), 3), generator=torch.Generator().manual_seed(1))
+    exact = copy.deepcopy(model).double()
+    with torch.no_grad():
+        cache = PolysketchCache(model)
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        steps = []
+        for i in range(nxt.shape[1]):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
+            out = model(input_ids=nxt[:, i : i + 1], attention_mask=mask, past_key_values=cache)
+            steps.append(out.logits[:, -1])
+        for b, p in enumerate(prompts):
+            row = torch.cat([p, nxt[b]])[None]
+            ref = model(input_ids=row, use_cache=False).logits[0]
+            truth = exact(input_ids=row, use_cache=False).logits[0]
+            for i, step in enumerate(steps):
+                assert_as_accurate(step[b], ref[len(p) + i], truth[len(p) + i])
+
+
+def test_a_padded_4d_mask_without_position_ids_is_refused():
+    model = _tiny("llama")
+    convert(model, "psf_random", chunk_size=64)
+    _, ids, mask = _batch()
+    t = ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    mask4 = causal[None, None] & mask.bool()[:, None, None, :]
+    with pytest.raises(ValueError, match="position_ids"):
+        model(input_ids=ids, attention_mask=mask4, use_cache=False)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # with them, it runs
+    model(input_ids=ids, attention_mask=mask4, position_ids=pos, use_cache=False)

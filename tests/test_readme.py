@@ -5,6 +5,9 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+import torch
+
 from polysketch import features
 from polysketch.nn import MODEL_PRESETS, PRESETS
 
@@ -27,14 +30,66 @@ def test_readme_names_the_two_commands():
     assert "make demo" in README and "make test" in README
 
 
-def test_quickstart_runs_as_written():
-    block = re.search(r"## Quickstart\s+```python\n(.*?)```", README, re.S).group(1)
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def _run(block: str, name: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(block, "README-quickstart", "exec"), {})
-    printed = out.getvalue()
+        exec(compile(block, name, "exec"), {})
+    return out.getvalue()
+
+
+def test_quickstart_runs_as_written():
+    block = re.search(r"## Quickstart\s+```python\n(.*?)```", README, re.S).group(1)
+    printed = _run(block, "README-quickstart")
     assert "torch.Size([2, 4, 1000, 32])" in printed
     assert "tensor_power" in printed
+    # the exact map's printed relative error is what the comment says: fp64 rounding
+    assert "# a few 1e-16" in block
+    rel = float(printed.splitlines()[1])
+    assert rel < 10 * torch.finfo(torch.float64).eps
+
+
+def test_every_python_snippet_of_the_readme_runs(tmp_path, monkeypatch):
+    """Each ```python block runs as written; the Hugging Face one on a tiny random Llama with a
+    byte-level tokenizer saved at its ``path`` (nothing is downloaded)."""
+    blocks = _python_blocks()
+    assert len(blocks) == 2  # quickstart and Hugging Face: a new block needs a case here
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    hf = next(b for b in blocks if "path/to/llama" in b)
+    model_dir = tmp_path / "llama"
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=128)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)  # save_pretrained("converted") writes here
+    printed = _run(hf.replace('"path/to/llama"', repr(str(model_dir))), "README-hf")
+    assert printed.startswith("To be, or not to be")
+    assert (tmp_path / "converted" / "config.json").is_file()
+
+
+def test_license_is_the_apache_license_pyproject_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    assert "[LICENSE](LICENSE)" in README
+
+
+def test_papers_are_cited_with_links_not_a_local_folder():
+    assert "shared/papers" not in README
+    papers = README.split("## Papers", 1)[1]
+    for arxiv in ("2505.08146", "2310.01655", "2110.04367"):
+        assert f"(https://arxiv.org/abs/{arxiv})" in papers
+    assert "```bibtex" in papers
 
 
 def test_feature_map_table_lists_every_registered_map():

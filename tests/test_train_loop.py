@@ -330,3 +330,37 @@ def test_init_weights_start_the_run_from_given_weights(corpus):
         train(tiny_model(), tiny, corpus, progress=False, init_weights=first["model"])
     with pytest.raises(ValueError, match="init_weights do not fit"):
         train(tiny_model(n_embd=32), tiny, corpus, progress=False, init_weights=ended)
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(corpus):
+    from polysketch.train.loop import WarmupWarning
+
+    with pytest.warns(WarmupWarning, match=r"warmup_steps=5 >= steps=3"):
+        train(tiny_model(), tiny_train(steps=3, warmup_steps=5, eval_interval=None), corpus,
+              progress=False)  # fmt: skip
+
+
+def test_out_of_memory_names_the_batch_and_writes_no_metrics(tmp_path, corpus, monkeypatch):
+    from polysketch.train import loop
+
+    def step(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")
+
+    monkeypatch.setattr(loop, "_optimizer_step", step)
+    out = tmp_path / "run"
+    with pytest.raises(loop.TrainingOutOfMemoryError, match="batch size 4 x block size 16"):
+        train(tiny_model(), tiny_train(out, grad_accum=2), corpus, progress=False)
+    assert not out.exists() or not any(out.iterdir())  # no header-only metrics files
+    # other runtime errors are not relabelled
+    monkeypatch.setattr(loop, "_optimizer_step", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("shape mismatch")))  # fmt: skip
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        train(tiny_model(), tiny_train(out), corpus, progress=False)
+
+
+def test_header_lines_go_to_log(corpus):
+    lines = []
+    train(tiny_model(), tiny_train(steps=1, warmup_steps=0, eval_interval=None), corpus,
+          progress=False, log=lines.append)  # fmt: skip
+    assert any("parameters" in line for line in lines)
+    assert any("64 tokens per step" in line for line in lines)

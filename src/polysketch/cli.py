@@ -8,6 +8,7 @@ Each subcommand lives in its own module under ``polysketch.commands`` and expose
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import pkgutil
 import sys
@@ -31,10 +32,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Command name -> its parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _suggestion(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """' (did you mean --x?)' for the first unknown flag close to one of ``parser``'s."""
+    flags = [o for action in parser._actions for o in action.option_strings]
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen command."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if extra:  # a typo'd flag: the command's own usage, not the top-level one
+        command = _subparsers(parser).get(getattr(args, "command", None), parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}{_suggestion(command, extra)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

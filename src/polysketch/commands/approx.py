@@ -5,7 +5,8 @@ relative Frobenius error, RMAE (LLoPS Eq. 21) and max relative error of φq(Q)φ
 the map's target kernel on sampled queries/keys, next to the Eckart–Young optimum for a map
 of the same state size (LLoPS Thm 3.1). It prints a table and writes ``results.csv``,
 ``optimal.csv`` and ``fidelity.png`` into ``--out`` (a non-empty ``--out`` is refused unless
-``--overwrite``).
+``--overwrite``). A ``--maps`` name that is not a map of the mode's family is an error before
+anything is written, and so is a run in which every map was skipped.
 
 Softmax mode (``--kernel softmax``) runs the hybrid-random-features experiments of
 ``polysketch.eval.fidelity.softmax``: the error of softmax-kernel estimators vs the angle
@@ -17,12 +18,14 @@ between q and k (``--experiment angles``, HRF Fig. 2 style) or their MSE on a UC
 from __future__ import annotations
 
 import argparse
+import difflib
 from pathlib import Path
 
 from .._files import write_csv  # noqa: F401  (re-exported: polysketch.commands.approx.write_csv)
 from ..eval.fidelity import approx
 from ..eval.fidelity.approx import POLYNOMIAL_MAPS, SOFTMAX_MAPS, default_maps, format_table
 from ..eval.fidelity.data_sources import SYNTHETIC_SOURCES, load_qk
+from ..features import available
 from ._common import add_overwrite_argument, fail, io_error, prepare_out_dir
 
 __all__ = [
@@ -172,6 +175,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def check_maps(names, kernel: str) -> None:
+    """Refuse (ValueError naming ``--maps``) a name that is not a registered feature map, or,
+    in softmax mode, not an estimator of the softmax kernel (``SOFTMAX_MAPS``)."""
+    family = SOFTMAX_MAPS if kernel == "softmax" else tuple(available())
+    for name in names:
+        if name in family:
+            continue
+        if kernel == "softmax" and name in available():
+            raise ValueError(
+                f"--maps: {name!r} is not an estimator of the softmax kernel; --kernel softmax "
+                f"measures {list(SOFTMAX_MAPS)} (use --kernel polynomial for {name!r})"
+            )
+        close = difflib.get_close_matches(name, family, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"--maps: unknown feature map {name!r}{hint}; available: {list(family)}")
+
+
 def _run_polynomial(args, out: Path) -> int:
     synthetic = args.source in SYNTHETIC_SOURCES
     dim = args.dim if args.dim is not None else (16 if synthetic else None)
@@ -209,6 +229,8 @@ def _run_polynomial(args, out: Path) -> int:
         fit_lr=args.fit_lr, fit_data=fit_data, target=args.target, fit_maps=args.fit_maps,
     )  # fmt: skip
     print(format_table(result["rows"]))
+    if all(r.get("skipped") for r in result["rows"]):
+        return fail("approx", "nothing was measured: every map was skipped (reasons above)")
     print(
         f"({result['seconds']:.1f} s; optimum = least relative Frobenius error of "
         "any map with that state_dim, LLoPS Thm 3.1; ratio = error / optimum)"
@@ -240,6 +262,7 @@ def _run_softmax(args, out: Path) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the measurement chosen by ``args`` (see ``add_parser``); returns the exit status."""
     try:
+        check_maps(args.maps or (), args.kernel)
         out = prepare_out_dir(args.out, overwrite=args.overwrite)
     except ValueError as err:
         return fail("approx", err)

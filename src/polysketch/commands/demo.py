@@ -50,6 +50,7 @@ from ..eval.demo import (
     QUICK,
     DemoSizes,
     Report,
+    load_average,
     machine_info,
     section_fidelity,
     section_quality,
@@ -98,6 +99,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.set_defaults(func=run)
     return parser
+
+
+def _loads(*values) -> str:
+    """``a–b`` of the known load averages (``-`` when none is known)."""
+    known = [f"{v:.2f}" for v in values if v is not None]
+    return "–".join(known) if known else "-"
 
 
 def _finite(x):
@@ -191,10 +198,13 @@ def _run(args, sizes: DemoSizes) -> int:
         timings[name] = time.perf_counter() - start
         print(f"[{name}] {timings[name]:.1f} s", flush=True)
     report.heading("Machine and run")
+    machine["load_1min_end"] = load_average()
     report.table(
-        ["CPUs", "torch threads", "torch", "CUDA", "Python", "platform", "date"],
-        [[machine["cpu_count"], machine["torch_threads"], machine["torch_version"],
-          machine["cuda_available"], machine["python"], machine["platform"], machine["date"]]],
+        ["CPUs", "load (1 min) at start–end", "torch threads", "torch", "CUDA", "Python",
+         "platform", "date"],
+        [[machine["cpu_count"], _loads(machine["load_1min"], machine["load_1min_end"]),
+          machine["torch_threads"], machine["torch_version"], machine["cuda_available"],
+          machine["python"], machine["platform"], machine["date"]]],
     )  # fmt: skip
     report.table(
         ["section", "wall time (s)"],

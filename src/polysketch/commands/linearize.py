@@ -88,6 +88,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this much text")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bars (shown on stderr otherwise, also when it is not a terminal)",
+    )  # fmt: skip
     p.set_defaults(func=run)
     return p
 
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr,
             finetune_steps=args.finetune_steps, finetune_lr=args.finetune_lr,
             finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-            eval_batches=args.eval_batches, seed=args.seed,
+            eval_batches=args.eval_batches, seed=args.seed, progress=not args.no_progress,
         )  # fmt: skip
         res = linearize_saved(
             args.model, args.attention, args.data, config=config, save_to=out / "model",

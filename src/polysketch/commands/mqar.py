@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--out", default="runs/mqar", help="folder for mqar.csv and mqar.png")
-    parser.add_argument("--progress", action="store_true", help="progress bar per model")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar per model")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             lrs=args.lrs,
             seed=args.seed,
             device=args.device,
-            progress=args.progress,
+            progress=not args.no_progress,
             on_row=lambda done: write_csv(done, out / "mqar.csv"),
         )
         print(format_table(rows))

@@ -15,12 +15,17 @@ processes (context parallelism; dp = N / C, a ``("dp", "cp")`` DeviceMesh) and `
 shards the parameters over all N (FSDP2); see ``polysketch.train.mesh``. A checkpoint of
 any layout resumes on any other (``--cp`` and ``--fsdp`` describe this launch: with
 ``--resume`` they are taken as given, default 1 and off, never from the checkpoint).
+``--warmup-steps`` defaults to 10% of ``--steps`` (at most 100); a warmup as long as the run
+is warned about. A header (parameters, tokens per step, schedule, device, dtype) is printed
+before the first step; running out of memory is an error line naming the batch and block
+size, and a run that fails before its first step leaves no folder behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
@@ -38,10 +43,12 @@ from ..train import (
     train,
 )
 from ..train.distributed import env_world_size, rank_slice
+from ..train.loop import TrainingOutOfMemoryError, WarmupWarning
 from ..train.mesh import check_cp_model
+from ..train.schedule import learning_rate
 from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
 
-__all__ = ["add_parser", "run", "load_data", "ERROR_EXIT", "RESUME_FLAGS"]
+__all__ = ["add_parser", "run", "load_data", "default_warmup", "ERROR_EXIT", "RESUME_FLAGS"]
 
 RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite", "cp",
                 "fsdp")  # fmt: skip
@@ -65,6 +72,12 @@ def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
             namespace.given = given
 
     return Recording
+
+
+def default_warmup(steps: int) -> int:
+    """``--warmup-steps`` when not given: 10% of the run, at most ``TrainConfig``'s 100 (so
+    runs of 1000 steps and more keep it; a 30-step run warms up for 3)."""
+    return min(TrainConfig.warmup_steps, steps // 10)
 
 
 class _Recorded:
@@ -166,7 +179,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     opt.add_argument("--batch-size", type=int, default=tdef.batch_size, help="global batch")
     opt.add_argument("--lr", type=float, default=tdef.lr)
     opt.add_argument("--min-lr", type=float, default=tdef.min_lr)
-    opt.add_argument("--warmup-steps", type=int, default=tdef.warmup_steps)
+    opt.add_argument(
+        "--warmup-steps", type=int, default=None,
+        help=f"linear warmup steps (default: 10%% of --steps, at most {tdef.warmup_steps})",
+    )  # fmt: skip
     opt.add_argument("--weight-decay", type=float, default=tdef.weight_decay)
     opt.add_argument("--grad-clip", type=float, default=tdef.grad_clip)
     opt.add_argument("--grad-accum", type=int, default=tdef.grad_accum)
@@ -252,13 +268,15 @@ def _configs_from_args(args):
         dropout=args.dropout,
         seed=args.seed,
     ).validate()
+    steps = args.steps if args.steps is not None else TrainConfig.steps
+    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup(steps)
     train_config = TrainConfig(
-        steps=args.steps if args.steps is not None else TrainConfig.steps,
+        steps=steps,
         batch_size=args.batch_size,
         block_size=block,
         lr=args.lr,
         min_lr=min(args.min_lr, args.lr),
-        warmup_steps=args.warmup_steps,
+        warmup_steps=warmup,
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         grad_accum=args.grad_accum,
@@ -335,6 +353,26 @@ def _replace_previous_run(out: Path) -> None:
             path.unlink()
 
 
+def _warn_warmup(cfg: TrainConfig) -> None:
+    """A warning line when the schedule never leaves warmup (``--warmup-steps >= --steps``)."""
+    if cfg.warmup_steps < cfg.steps:
+        return
+    last = learning_rate(cfg.steps - 1, lr=cfg.lr, min_lr=cfg.min_lr,
+                         warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)  # fmt: skip
+    warn("train", f"--warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning rate "
+         f"never leaves warmup and its last step uses {last:.3g}, not --lr {cfg.lr:g} (leave "
+         "--warmup-steps out for 10% of --steps)")  # fmt: skip
+
+
+def _remove_if_empty(out: Path) -> None:
+    """Remove the folder this run created when the run failed before writing into it."""
+    try:
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+    except OSError:
+        pass  # another rank removed it, or it cannot be: it blocks nothing when empty
+
+
 def load_data(source: dict):
     """The ``Corpus`` or ``MQARData`` described by a checkpoint's ``metadata["source"]``."""
     if source["task"] == "mqar":
@@ -351,8 +389,9 @@ def load_data(source: dict):
 
 def run(args: argparse.Namespace) -> int:
     """Train; print the final validation loss and where the checkpoint is. 2 on bad input."""
+    out = Path(args.out)
+    created = not out.exists() and not args.resume
     try:
-        out = Path(args.out)
         if args.resume and args.overwrite:
             raise ValueError(
                 "--resume continues the run in --out, --overwrite replaces it: not both"
@@ -383,15 +422,23 @@ def run(args: argparse.Namespace) -> int:
         dp = max(world // train_config.cp, 1)
         rank_slice(train_config.batch_size, dp, 0, train_config.grad_accum)
         data = load_data(source)
-        history = train(
-            model_config,
-            train_config,
-            data,
-            resume=args.resume,
-            progress=not args.no_progress,
-            metadata={"source": source},
-        )
-    except (ValueError, TypeError, OSError) as err:
+        main_rank = int(os.environ.get("RANK", "0")) == 0
+        if main_rank:
+            _warn_warmup(train_config)
+        with warnings.catch_warnings():  # said above, in the flags' names
+            warnings.simplefilter("ignore", WarmupWarning)
+            history = train(
+                model_config,
+                train_config,
+                data,
+                resume=args.resume,
+                progress=not args.no_progress,
+                metadata={"source": source},
+                log=print if main_rank else None,
+            )
+    except (ValueError, TypeError, OSError, TrainingOutOfMemoryError) as err:
+        if created:
+            _remove_if_empty(out)
         return fail("train", err)
     if int(os.environ.get("RANK", "0")) == 0:
         val = history["val"][-1] if history["val"] else None

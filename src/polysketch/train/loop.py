@@ -27,7 +27,15 @@ parameters as 2N straight steps. Metrics go to ``out_dir/metrics.csv`` and
 ``.ckpt.pt.*.tmp`` files a crashed save left in ``out_dir``. ``train`` writes into
 ``out_dir`` as told: refusing to replace an earlier run is the caller's decision (the
 ``polysketch train`` command refuses a non-empty ``--out`` without ``--resume`` or
-``--overwrite``).
+``--overwrite``). The metric files are created at the first completed step, so a run that
+fails before it leaves ``out_dir`` as it found it.
+
+Before the first step ``log`` (if given) receives a header: parameters, tokens per step,
+steps and schedule, device and dtype. A warmup as long as the run (``warmup_steps >=
+steps``: the rate never reaches ``lr``) is a ``WarmupWarning``. Running out of memory
+(``is_out_of_memory``: torch's ``OutOfMemoryError``, the CPU allocator's RuntimeError,
+``MemoryError``) is re-raised as ``TrainingOutOfMemoryError`` naming the batch size, block
+size and micro-batches.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ import gc
 import json
 import math
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,12 +77,14 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .mesh import Layout
-from .schedule import warmup_cosine
+from .schedule import learning_rate, warmup_cosine
 from .steps import autocast_for as _autocast
 from .steps import evaluate, mesh_step, micro_inputs
 
 __all__ = [
     "TrainConfig",
+    "TrainingOutOfMemoryError",
+    "WarmupWarning",
     "MQARData",
     "CorpusBatches",
     "MQARBatches",
@@ -80,10 +92,57 @@ __all__ = [
     "train",
     "CHECKPOINT_NAME",
     "METRIC_FIELDS",
+    "is_out_of_memory",
+    "warmup_warning",
 ]
 
 CHECKPOINT_NAME = "ckpt.pt"
 METRIC_FIELDS = ("step", "split", "loss", "accuracy", "lr", "tokens", "tokens_per_s", "elapsed_s")
+
+
+class WarmupWarning(UserWarning):
+    """The warmup lasts the whole run: the learning rate never reaches its peak."""
+
+
+class TrainingOutOfMemoryError(MemoryError):
+    """Training ran out of memory; the message names the batch and block size."""
+
+
+def warmup_warning(cfg: TrainConfig) -> str | None:
+    """Why ``cfg``'s schedule never leaves warmup (``warmup_steps >= steps``), or None."""
+    if cfg.warmup_steps < cfg.steps:
+        return None
+    last = learning_rate(cfg.steps - 1, lr=cfg.lr, min_lr=cfg.min_lr,
+                         warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)  # fmt: skip
+    return (
+        f"warmup_steps={cfg.warmup_steps} >= steps={cfg.steps}: the learning rate never leaves "
+        f"warmup and its last step uses {last:.3g}, not lr={cfg.lr:g}"
+    )
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure: torch's ``OutOfMemoryError`` (CUDA, XPU),
+    the CPU allocator's or MPS's RuntimeError, or Python's ``MemoryError``."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text
+    )
+
+
+def _out_of_memory(err: BaseException, cfg: TrainConfig, block_size: int, device, step) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    where = f"at step {step + 1}" if step is not None else "building the model"
+    micro = ""
+    if cfg.grad_accum > 1:
+        micro = f" in {cfg.grad_accum} micro-batches of {cfg.batch_size // cfg.grad_accum}"
+    return (
+        f"out of memory {where} on {device}: batch size {cfg.batch_size:,} x block size "
+        f"{block_size:,} = {cfg.batch_size * block_size:,} tokens per step{micro}; lower the "
+        f"batch size or the block size, or raise grad_accum (same batch, smaller "
+        f"micro-batches) ({first})"
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -108,20 +167,25 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class _MetricFiles:
-    """metrics.csv + metrics.jsonl in ``out_dir`` (rewritten from history on resume)."""
+    """metrics.csv + metrics.jsonl in ``out_dir`` (rewritten from history on resume), created
+    at the first row or ``ensure()``: nothing is written before a step completes."""
 
     def __init__(self, out_dir: Path | None, rows: list[dict]):
         self.paths = None
-        if out_dir is None:
+        self.out_dir = out_dir
+        for row in rows:
+            self.write(row)
+
+    def ensure(self) -> None:
+        """Create both files (headers only) unless they exist already."""
+        if self.paths is not None or self.out_dir is None:
             return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = (out_dir / "metrics.csv", out_dir / "metrics.jsonl")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = (self.out_dir / "metrics.csv", self.out_dir / "metrics.jsonl")
         with self._writing(self.paths[0]), open(self.paths[0], "w", newline="") as f:
             csv.DictWriter(f, METRIC_FIELDS).writeheader()
         with self._writing(self.paths[1]):
             self.paths[1].write_text("")
-        for row in rows:
-            self.write(row)
 
     @staticmethod
     @contextlib.contextmanager
@@ -134,6 +198,7 @@ class _MetricFiles:
             raise OSError(err.errno, f"cannot write {path}: {reason}") from err
 
     def write(self, row: dict) -> None:
+        self.ensure()
         if self.paths is None:
             return
         with self._writing(self.paths[0]), open(self.paths[0], "a", newline="") as f:
@@ -152,6 +217,7 @@ def train(
     metadata: dict | None = None,
     stop_after: int | None = None,
     init_weights: dict | None = None,
+    log: Callable[[str], object] | None = None,
 ) -> dict:
     """Train a ``TransformerLM(model_config)``; see the module docstring.
 
@@ -172,6 +238,7 @@ def train(
             earlier stage's ``history["model"].state_dict()``, as a curriculum trains) that
             replaces the fresh weights before the first step; the optimizer, schedule and
             data sampler start fresh. Not with ``resume`` (the checkpoint holds the weights).
+        log: receives the header lines (``header_lines``) before the first step, on rank 0.
 
     Returns:
         history ``{"train": [rows per step], "val": [rows per evaluation], "model": the
@@ -182,6 +249,9 @@ def train(
     The model's weights come from ``model_config.seed``; torch's global RNG (dropout) is
     seeded with ``train_config.seed`` at the start (and restored from the checkpoint on
     resume).
+
+    Raises ``TrainingOutOfMemoryError`` (naming the batch and block size) when an allocation
+    fails; warns (``WarmupWarning``) when ``warmup_steps >= steps``.
     """
     cfg = _checked(model_config, train_config, data, stop_after)
     if init_weights is not None and resume:
@@ -196,10 +266,13 @@ def train(
             f"resume needs a checkpoint at {ckpt_path or 'out_dir/' + CHECKPOINT_NAME}"
         )
     block_size = cfg.block_size or model_config.block_size
+    note = warmup_warning(cfg)
+    if note is not None:
+        warnings.warn(note, WarmupWarning, stacklevel=2)
 
     ctx = distributed.setup(cfg.device)
     finished = False
-    model = None
+    model = run = None
     try:
         if ckpt_path is not None and ctx.is_main:
             remove_stale_temporaries(ckpt_path)  # a crashed save's leftovers
@@ -212,6 +285,9 @@ def train(
         if resume:
             run.restore(state, ckpt_path)
         model = run.model
+        if log is not None and ctx.is_main:
+            for line in header_lines(run, ctx, block_size, layout):
+                log(line)
         if ctx.distributed and not layout.uses_mesh:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -251,6 +327,7 @@ def train(
                 "elapsed_s": elapsed,
             }
             history["train"].append(row)
+            files.ensure()
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 files.write(row)
             bar.update(1)
@@ -275,11 +352,43 @@ def train(
         history["model"] = run.model
         finished = True
         return history
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        step = run.step if run is not None else None
+        message = _out_of_memory(err, cfg, block_size, ctx.device, step)
+        raise TrainingOutOfMemoryError(message) from None
     finally:
         if ctx.distributed:  # the DDP reducer holds the group: free it now, not at interpreter exit
             model = None
             gc.collect()
         distributed.teardown(ctx, finished=finished)
+
+
+def header_lines(run: _Run, ctx, block_size: int, layout: Layout) -> list[str]:
+    """What a run is about to do: the model and its parameters, tokens per step, steps and
+    schedule, device and dtype (``train``'s ``log`` receives these lines)."""
+    cfg, mc = run.cfg, run.model_config
+    params = run.model.num_parameters()
+    tokens = cfg.batch_size * block_size
+    micro = ""
+    if cfg.grad_accum > 1:
+        micro = f" ({cfg.grad_accum} micro-batches of {cfg.batch_size // cfg.grad_accum})"
+    procs = ""
+    if ctx.world_size > 1:
+        procs = f", {ctx.world_size} processes (dp {layout.dp} x cp {layout.cp})"
+    dtype = str(next(run.model.parameters()).dtype).removeprefix("torch.")
+    amp = ", bf16 autocast" if cfg.amp == "bf16" else ""
+    start = f"resuming after step {run.step} of " if run.step else ""
+    return [
+        f"model: {params:,} parameters (attention={mc.attention}, {mc.n_layer} layers, "
+        f"{mc.n_head} heads, n_embd {mc.n_embd})",
+        f"batch: {cfg.batch_size} sequences x {block_size} tokens = {tokens:,} tokens per "
+        f"step{micro}",
+        f"schedule: {start}{cfg.steps} steps ({cfg.steps * tokens:,} tokens), lr {cfg.lr:g}, "
+        f"warmup {cfg.warmup_steps}, cosine to {cfg.min_lr:g}",
+        f"device {ctx.device}, {dtype}{amp}{procs}",
+    ]
 
 
 def _checked(model_config, train_config, data, stop_after) -> TrainConfig:

@@ -9,7 +9,7 @@
 from .fidelity import MAX_FEATURE_DIM, NOT_CALIBRATED, section_fidelity
 from .figures import plot_fidelity_panels, plot_loss_curves
 from .quality import section_quality
-from .report import Report, machine_info
+from .report import Report, load_average, machine_info
 from .settings import CUDA_FULL, FULL, QUICK, DemoSizes, polysketch_attention
 from .speed import section_speed
 
@@ -21,6 +21,7 @@ __all__ = [
     "QUICK",
     "DemoSizes",
     "Report",
+    "load_average",
     "machine_info",
     "plot_fidelity_panels",
     "plot_loss_curves",

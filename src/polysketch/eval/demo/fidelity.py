@@ -74,13 +74,12 @@ def _family_rows(family: str, q, k, fit, sizes: DemoSizes, args) -> tuple[list, 
             max_feature_dim=MAX_FEATURE_DIM, fit_steps=sizes.fit_steps, **common,
         )  # fmt: skip
         if "polysketch" in names:  # the psf_random map: degree-2 sketch, squared -> (q·k)^4
-            for f in sizes.feature_dims:
-                r = max(2, math.isqrt(f))
+            for r in sketch_sizes(sizes.feature_dims):
                 row = evaluate_map(
-                    "polysketch", q, k, degree=2, num_features=r, trials=sizes.trials,
-                    seed=args.seed, nonnegative=True,
+                    "polysketch", q, k, trials=sizes.trials, seed=args.seed,
+                    **{**psf_random_sketch(), "num_features": r},
                 )  # fmt: skip
-                row.update(map="polysketch² (psf_random)", degree=4, skipped="")
+                row.update(map=PSF_LABEL, degree=4, skipped="")
                 rows.append(row)
         ranks = sorted({r["state_dim"] for r in rows if not r.get("skipped")})
         optimum = [
@@ -107,6 +106,75 @@ def _family_rows(family: str, q, k, fit, sizes: DemoSizes, args) -> tuple[list, 
     return rows, [(m, optimal_rank_error_of(exact, m).relative) for m in ranks]
 
 
+PSF_LABEL = "polysketch² (psf_random)"
+
+
+def psf_random_sketch() -> dict:
+    """The keywords of psf_random's feature map (degree-2 sketch, self-tensored), r included."""
+    from ...nn.presets import PRESETS
+
+    return dict(PRESETS["psf_random"]["settings"]["map_kwargs"])
+
+
+def sketch_sizes(feature_dims) -> list[int]:
+    """The sketch sizes r at which the demo draws psf_random's map: r ≈ √F for each F asked
+    (state r(⌊r/2⌋+1) ≈ F/2, beside the other maps) and the r the psf_random models use."""
+    asked = {max(2, math.isqrt(f)) for f in feature_dims}
+    return sorted(asked | {psf_random_sketch()["num_features"]})
+
+
+def _estimate_scale(name: str, q, k, fit, f: int, scale: float, args, sizes) -> float:
+    """‖Ê‖_F / ‖E‖_F of one draw of softmax map ``name`` with ``f`` features (fitted as
+    ``evaluate_map`` fits it): near 0 when the estimate misses the kernel's mass."""
+    fm = create(name, q.shape[-1], num_features=f, scale=scale, seed=args.seed).to(q.dtype)
+    keywords = type(fm).fit_keywords
+    if keywords:
+        extra = {"seed": args.seed} if "seed" in keywords else {}
+        with torch.enable_grad():
+            fm.fit(*fit, steps=sizes.fit_steps, **extra)
+    exact = fm.target_kernel(q, k)
+    approx = fm.approx_kernel(q, k)
+    return float(approx.norm() / exact.norm())
+
+
+def _complex_exp_note(names) -> str:
+    """Why complex_exp's line is hidden under positive's (when both were measured)."""
+    if not {"complex_exp", "positive"} <= set(names):
+        return ""
+    return (
+        "complex_exp's line lies under positive's: with its default A = I the complex "
+        "exponential estimator is exactly the positive (FAVOR+) one on the same draws (HRF "
+        "§2.3). "
+    )
+
+
+def _at_one_note(rows, q, k, fit, args, sizes) -> str:
+    """Why some softmax maps sit at error ≈ 1 on these q, k: their measured ‖Ê‖/‖E‖ (one
+    draw at their largest F) and, when the estimate is near 0, the reason (HRF Lemma 2.2)."""
+    points = {}
+    for r in rows:
+        if not r.get("skipped"):
+            points.setdefault(r["map"], []).append((r["num_features"], r["rel_frobenius_mean"]))
+    at_one = sorted(n for n, pts in points.items() if all(abs(e - 1.0) < 0.02 for _, e in pts))
+    if not at_one:
+        return ""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ratio = {
+        n: _estimate_scale(n, q, k, fit, max(f for f, _ in points[n]), scale, args, sizes)
+        for n in at_one
+    }
+    listed = ", ".join(f"{n}: ‖Ê‖/‖E‖ = {v:.1e}" for n, v in ratio.items())
+    if not all(v < 0.1 for v in ratio.values()):
+        return f"At error ≈ 1 on captured q, k ({listed}; one draw at the largest F)."
+    return (
+        f"At error ≈ 1 on captured q, k ({listed}; one draw at the largest F): the estimate "
+        "is close to 0 next to E, so ‖Ê − E‖/‖E‖ ≈ 1. E = exp(q·k/√D) of trained q, k is "
+        "dominated by the few pairs with the largest logits, and these estimators, whose "
+        "relative variance grows like exp(‖q + k‖²/√D)/m (HRF Lemma 2.2), almost never draw "
+        "features that reach them."
+    )
+
+
 def _scale_stats(q: torch.Tensor, k: torch.Tensor) -> str:
     """Mean ‖q‖, ‖k‖ and the largest |q·k|/√D of a sample: what drives the kernels' range."""
     logits = float((q @ k.transpose(-1, -2)).abs().max()) / math.sqrt(q.shape[-1])
@@ -119,14 +187,19 @@ def section_fidelity(args, sizes: DemoSizes, report, state: dict) -> dict:
     report.heading("2. Fidelity: how well each feature map reproduces its kernel")
     report.paragraph(
         "Relative Frobenius error ‖φq(Q)φk(K)ᵀ − E‖_F / ‖E‖_F of each map against its target "
-        "kernel E, vs the state size m of the map (F, or F² for self-tensored maps), mean over "
+        "kernel E, vs the state size m of the map (F, or F(⌊F/2⌋+1) for self-tensored maps: "
+        "the floats per value dimension their decoding state holds, the `state dim` column), "
+        "mean over "
         f"{sizes.trials} seeded draws, on {sizes.num} queries × {sizes.num} keys per (layer, "
         "head) as the trained models feed them to the attention core (after the q/k LayerNorm "
         "and RoPE; fitted maps are calibrated on other tokens), and on Gaussian q, k with "
         "q·k of unit variance. `ratio` = error / the Eckart–Young optimum, the least error of "
         "any rank-m approximation of E (LLoPS Thm 3.1; n/a where E has rank ≤ m, e.g. exact "
         "maps). `polysketch² (psf_random)` is the sketch the psf_random attention uses: a "
-        "degree-2 sketch of r features, squared (F asked = r, state r²). "
+        "degree-2 sketch of r features, squared (F asked = r, state r(⌊r/2⌋+1)), drawn at "
+        f"r = {', '.join(str(r) for r in sketch_sizes(sizes.feature_dims))}; r = "
+        f"{psf_random_sketch()['num_features']} is the size the psf_random models use "
+        "(ringed in the figure). "
         "`learned_polysketch` is left out: it is trained inside a model (psf_learned), not "
         "fitted to a kernel."
     )
@@ -150,8 +223,10 @@ def section_fidelity(args, sizes: DemoSizes, report, state: dict) -> dict:
         print(f"[fidelity] {family} maps vs {target}", flush=True)
         table: dict[tuple, dict] = {}
         skipped = []
+        rows_by_label = {}
         for label, (q, k, fit) in sources.items():
             rows, optimum = _family_rows(family, q, k, fit, sizes, args)
+            rows_by_label[label] = rows
             comparable = [r for r in rows if family == "softmax" or r.get("target") == target]
             panels[label.split(" (")[0].replace("`", "")] = (comparable, optimum)
             for r in rows:
@@ -160,7 +235,24 @@ def section_fidelity(args, sizes: DemoSizes, report, state: dict) -> dict:
                     continue
                 key = (r["map"], r["num_features"], r["state_dim"])
                 table.setdefault(key, {})[label] = r
-        png = plot_fidelity_panels(panels, out / f"fidelity_{family}.png")
+        if family == "softmax":
+            captured = [lb for lb in sources if lb.startswith("captured")]
+            names = {r["map"] for rows in rows_by_label.values() for r in rows}
+            footnote = _complex_exp_note(names)
+            if captured:
+                q, k, fit = sources[captured[0]]
+                footnote += _at_one_note(rows_by_label[captured[0]], q, k, fit, args, sizes)
+            footnote, marks = footnote.strip(), {}
+        else:
+            r_model = psf_random_sketch()["num_features"]
+            marks = {PSF_LABEL: create("polysketch", d, **psf_random_sketch()).state_dim}
+            footnote = (
+                f"{PSF_LABEL}: the degree-2 sketch of r features, self-tensored (state "
+                f"r(⌊r/2⌋+1)); ringed: r = {r_model}, the size the psf_random models use. Maps "
+                "measured against their own kernel (not (q·k)^4) are in the table only."
+            )
+        png = plot_fidelity_panels(panels, out / f"fidelity_{family}.png", footnote=footnote,
+                                   marks=marks)  # fmt: skip
         labels = list(sources)
         headers = ["map", "measured against", "F asked", "state dim"]
         for label in labels:
@@ -193,8 +285,11 @@ def section_fidelity(args, sizes: DemoSizes, report, state: dict) -> dict:
             f"{family} maps: error vs state dim against {target} (maps measured against their "
             "own kernel are in the table only)",
         )
+        if footnote:
+            report.paragraph(footnote)
         if skipped:
             report.paragraph("Not measured: " + "; ".join(sorted(set(skipped))) + ".")
         print(format_table(headers, rows), flush=True)
-        result[family] = {"headers": headers, "rows": rows, "skipped": sorted(set(skipped))}
+        result[family] = {"headers": headers, "rows": rows, "skipped": sorted(set(skipped)),
+                          "note": footnote}  # fmt: skip
     return result

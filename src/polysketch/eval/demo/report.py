@@ -4,8 +4,9 @@
 referenced by relative path), preformatted text and notes; ``write(out_dir)`` writes
 ``README.md`` and ``index.html`` from the same blocks, so both show the same numbers and
 pictures (both written atomically).
-``machine_info`` records what the numbers were measured on. Cells are formatted as in
-``polysketch.eval.tables`` (``fmt``: a missing value is ``-``, NaN is ``n/a``).
+``machine_info`` records what the numbers were measured on (with the load average,
+``load_average``). Cells are formatted as in ``polysketch.eval.tables`` (``fmt``: a missing
+value is ``-``, NaN is ``n/a``).
 """
 
 from __future__ import annotations
@@ -22,17 +23,27 @@ from pathlib import Path
 from ..._files import atomic_write
 from ..tables import cells, markdown_table
 
-__all__ = ["Report", "machine_info"]
+__all__ = ["Report", "load_average", "machine_info"]
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (processes running or waiting for a CPU), None if unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def machine_info() -> dict:
-    """CPU count, torch version and threads, platform, Python, polysketch version, date."""
+    """CPU count, load average, torch version and threads, platform, Python, polysketch
+    version, date."""
     import torch
 
     from ... import __version__
 
     return {
         "cpu_count": os.cpu_count(),
+        "load_1min": load_average(),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "cuda_available": torch.cuda.is_available(),

@@ -36,13 +36,14 @@ class DemoSizes:
     lengths: tuple[int, ...]
     min_time: float
     matmul_n: int
+    speed_passes: int = 3  # runs of the whole speed benchmark (the spread of every point)
 
 
 FULL = DemoSizes(
     n_layer=4, n_head=2, n_embd=64, block_size=128, batch_size=16, steps=600,
     eval_interval=50, eval_batches=8, lr=2e-3, warmup_steps=50, max_bytes=None,
     sample_tokens=240, capture_batch=8, num=256, feature_dims=(16, 32, 64, 128), trials=3,
-    fit_steps=200, lengths=(256, 512, 1024, 2048, 4096, 8192), min_time=0.2, matmul_n=2048,
+    fit_steps=200, lengths=(256, 512, 1024, 2048, 4096, 8192), min_time=0.1, matmul_n=2048,
 )  # fmt: skip
 CUDA_FULL = DemoSizes(
     n_layer=6, n_head=6, n_embd=384, block_size=1024, batch_size=16, steps=600,

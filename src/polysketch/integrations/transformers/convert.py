@@ -17,7 +17,9 @@ their head size): Llama, Qwen2, Mistral (``self_attn``, ``head_dim``), GPT-NeoX
    and refuses, before computing anything, a cache the attention cannot decode with
    (``cache.check_cache``: static, sliding, quantized, ...);
 5. says what happens to a sliding window or to logit soft-capping (``policies``:
-   ``sliding_window="refuse"|"full"``, ``softcap="refuse"|"drop"``).
+   ``sliding_window="refuse"|"full"``, ``softcap="refuse"|"drop"``);
+6. derives ``position_ids`` from a 2D ``attention_mask`` when a forward gets none
+   (``positions``), so a left-padded batch equals each row alone without them.
 
 Other causal LMs whose attention modules have ``layer_idx``, ``scaling`` and ``head_dim`` (or
 ``head_size``) and use the attention interface go through the generic adapter.
@@ -38,6 +40,7 @@ from ...nn.resolve import resolve_attention, valid_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
 from .policies import check_policies, configured_window, install_cache_guards, register
+from .positions import install_position_ids
 
 __all__ = [
     "FAMILIES",
@@ -264,6 +267,7 @@ def convert(
     model.set_attn_implementation(ATTENTION_NAME)
     _install_generate_cache(model, modules[0].polysketch, configured_window(config) is not None)
     install_cache_guards(model, modules)
+    install_position_ids(model)
     return model
 
 
