@@ -72,7 +72,8 @@ class KernelAttention(AttentionCore):
             ``polysketch.nn.heads.head_seed(seed, layer_index, h)``.
         layer_index: index of this layer in the model (seed derivation only).
         checkpoint: recompute features and attention in the backward pass (PolySketchFormer
-            §4 rematerialization; linear and mixed attention only).
+            §4 rematerialization): ``None`` (default) for the linear, mixed and window forms,
+            True / False to force it (``AttentionCore``).
         mixed: mixed attention with the map ``attention`` (exact local (q·k)^degree blocks +
             the map before them; ``psf_mixed`` is this with the psf_random sketch).
         learn_balance: mixed attention's learned per-head balance β_h (``AttentionCore``).
@@ -103,7 +104,7 @@ class KernelAttention(AttentionCore):
         bias: bool = False,
         seed: int = 0,
         layer_index: int = 0,
-        checkpoint: bool = False,
+        checkpoint: bool | None = None,
         qk_dim: int | None = None,
         value_dim: int | None = None,
         short_conv: int = 0,

@@ -65,7 +65,7 @@ from .heads import MultiHeadFeatureMap
 from .padding import compaction, gather_time
 from .spec import AttentionSpec
 
-__all__ = ["AttentionCore", "working_dtype"]
+__all__ = ["AttentionCore", "RECOMPUTED_FORMS", "working_dtype"]
 
 
 class AttentionCore(nn.Module):
@@ -79,7 +79,15 @@ class AttentionCore(nn.Module):
         causal: causal mask. Mixed, window and decoding need it.
         chunk_size: block b of the block algorithm and of mixed attention's local blocks.
         seed, layer_index: head h's map is seeded with ``head_seed(seed, layer_index, h)``.
-        checkpoint: recompute features and attention in the backward (linear, mixed).
+        checkpoint: recompute the features and the attention in the backward pass instead of
+            keeping them for it (``torch.utils.checkpoint``; PolySketchFormer §4
+            rematerialization, as FlashAttention recomputes its scores). ``None`` (default):
+            on for the forms that would keep more than their inputs (``RECOMPUTED_FORMS``:
+            a map's per-token features, soft_hash's F = 1,920 buckets among them, and the
+            window's score band), off for softmax (SDPA keeps O(T)) and polynomial (quadratic
+            either way). Values and gradients are the same either way; the memory a training
+            step keeps for backward drops to the layer's inputs and outputs
+            (``tests/test_nn_memory.py``). Not on a sequence shard (``nn.sharding``).
 
     With ``spec.learn_balance`` (mixed only) a trainable β_h per head weighs the far blocks,
     initialised so that the layer starts as without it: the map's ``output_scale`` c
@@ -104,7 +112,7 @@ class AttentionCore(nn.Module):
         chunk_size: int = 64,
         seed: int = 0,
         layer_index: int = 0,
-        checkpoint: bool = False,
+        checkpoint: bool | None = None,
     ):
         super().__init__()
         if not isinstance(spec, AttentionSpec):
@@ -114,7 +122,7 @@ class AttentionCore(nn.Module):
         value_dim = self.qk_dim if value_dim is None else value_dim
         self.value_dim = check_positive_int(value_dim, "value_dim")
         self.causal = _check_bool(causal, "causal")
-        self.checkpoint = _check_bool(checkpoint, "checkpoint")
+        self.checkpoint = None if checkpoint is None else _check_bool(checkpoint, "checkpoint")
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.seed = check_int(seed, "seed", minimum=0)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
@@ -171,6 +179,13 @@ class AttentionCore(nn.Module):
     @property
     def gradient_surrogate(self) -> float:
         return self.spec.gradient_surrogate
+
+    def recomputes(self) -> bool:
+        """Whether this call recomputes its attention in the backward pass (``checkpoint``):
+        only while autograd records, and by default for ``RECOMPUTED_FORMS``."""
+        if not torch.is_grad_enabled():
+            return False
+        return self.form in RECOMPUTED_FORMS if self.checkpoint is None else self.checkpoint
 
     # ----- decoding state --------------------------------------------------------------------
     @property
@@ -322,7 +337,7 @@ class AttentionCore(nn.Module):
             out, cache.state = run(q, k, v)
             cache.length += q.shape[-2]
             return out
-        if self.checkpoint and torch.is_grad_enabled():
+        if self.recomputes():
             return _checkpoint(run, q, k, v, use_reentrant=False)
         return run(q, k, v)
 
@@ -376,7 +391,7 @@ class AttentionCore(nn.Module):
                 out = out + self._gradient_surrogate(q_in, k_in, v_in, keep)
             return out, k, phi_k, v
 
-        if cache is None and self.checkpoint and torch.is_grad_enabled():
+        if cache is None and self.recomputes():
             out = _checkpoint(lambda *x: run(*x)[0], q, k, v, use_reentrant=False)
         else:
             out, k, phi_k, v = run(q, k, v)
@@ -431,7 +446,11 @@ class AttentionCore(nn.Module):
             q, k, v = (gather_time(x, perm, dim=-2) for x in (q, k, v))
             keep = keep.gather(-1, perm)
         kpm = None if keep is None else keep.unsqueeze(1)
-        out = window_attention(q, k, v, window=self.window, key_padding_mask=kpm, **kw)
+
+        def run(q, k, v):
+            return window_attention(q, k, v, window=self.window, key_padding_mask=kpm, **kw)
+
+        out = _checkpoint(run, q, k, v, use_reentrant=False) if self.recomputes() else run(q, k, v)
         if cache is not None:
             cache.prefill(k, v, None if keep is None else keep.sum(-1))
         return out if inverse is None else gather_time(out, inverse, dim=-2)
@@ -457,6 +476,9 @@ class AttentionCore(nn.Module):
             + (f", window={self.window}" if self.window is not None else "")
         )
 
+
+RECOMPUTED_FORMS = frozenset({"linear", "mixed", "window"})
+"""Forms whose attention keeps more than its inputs for backward: recomputed by default."""
 
 _CACHE_TYPES = {"linear": RecurrentCache, "mixed": MixedCache, "window": WindowCache,
                 "softmax": KVCache, "polynomial": KVCache}  # fmt: skip

@@ -140,7 +140,7 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
             "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
             "context-parallel or packed form: switch it off first"
         )
-    if core.checkpoint:
+    if core.checkpoint:  # explicit True; the default (None) does not recompute on a shard
         raise ValueError(
             "checkpoint=True (rematerialization) is not supported on a sequence shard: the "
             "recomputation would repeat the collectives; build the layer with checkpoint=False"
