@@ -104,3 +104,30 @@ def test_bench_model_takes_the_block_from_the_preset_unless_given(tmp_path, caps
     # an explicit block longer than the preset's window is the user's word: refused, named
     assert main([*argv, "--chunk-size", "256", "--overwrite"]) == 2
     assert "chunk_size=256" in capsys.readouterr().err
+
+
+# ----- the settings a preset needs have a path from the CLI (issue 43 item 2) --------------------
+WITH_NEEDS = {
+    "sliding_window": ["--window", "4"],
+    "soft_hash_far": ["--local-window", "8", "--chunk-size", "8"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITH_NEEDS))
+def test_train_runs_each_preset_that_needs_an_option_with_it(name, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    rc = main(["train", "--corpus", str(corpus), "--attention", name, *WITH_NEEDS[name],
+               "--out", str(tmp_path / "o"), *TINY_TRAIN])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_a_window_given_as_a_map_keyword_is_refused_naming_the_option(tmp_path, capsys):
+    """Before: ``--map-kw window=32`` failed with "KernelAttention() got multiple values for
+    keyword argument 'window'"."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    rc = main(["train", "--corpus", str(corpus), "--attention", "sliding_window", "--map-kw",
+               "window=4", "--out", str(tmp_path / "o"), *TINY_TRAIN])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "error:" in err and "--window W" in err

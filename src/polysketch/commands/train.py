@@ -142,6 +142,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
     )  # fmt: skip
     model.add_argument(
+        "--window", type=int, default=None, metavar="W",
+        help="keys each query sees with --attention sliding_window (itself included; required "
+        "there)",
+    )  # fmt: skip
+    model.add_argument(
         "--local-window", type=int, default=None, metavar="W",
         help="add an exact sliding-window softmax branch over the last W tokens beside the "
         "attention in every layer (its own projections and normalizer; BASED's local + global)",
@@ -259,6 +264,7 @@ def _configs_from_args(args):
         qk_dim=args.qk_dim,
         value_dim=args.value_dim,
         short_conv=args.short_conv,
+        window=args.window,
         local_window=args.local_window,
         local_shared=args.local_shared,
         global_heads=args.global_heads,

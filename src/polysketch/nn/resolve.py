@@ -188,10 +188,15 @@ def as_spec(attention, head_dim: int, map_kwargs: dict | None = None, **options)
 def _window_settings(kwargs: dict, window) -> tuple:
     """(form, extra spec fields, qk_norm default, offset default, degree) of
     ``"sliding_window"``; pops ``kernel`` and ``degree`` from ``kwargs``."""
+    if "window" in kwargs:
+        raise ValueError(
+            'window is not a feature-map keyword: give attention="sliding_window" its window as '
+            "window=w (TransformerConfig, KernelAttention, convert; polysketch train --window W)"
+        )
     if window is None:
         raise ValueError(
             'attention="sliding_window" needs window=w (the number of most recent keys each '
-            "query attends to, itself included)"
+            "query attends to, itself included; polysketch train --window W)"
         )
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
