@@ -35,7 +35,7 @@ from .core import AttentionCore, working_dtype
 from .padding import real_positions
 from .resolve import as_spec
 from .rope import RotaryEmbedding
-from .sharding import SequenceShard, check_core_on_shard, shard_attend, shard_short_conv
+from .sharding import SequenceShard, check_core_on_shard, shard_short_conv
 from .short_conv import ShortConv
 from .spec import AttentionSpec
 
@@ -212,7 +212,9 @@ class KernelAttention(AttentionCore):
         return self._attend_qkv(qkv, key_padding_mask, cache, shard)
 
     def _attend_qkv(self, qkv, key_padding_mask, cache, shard) -> torch.Tensor:
-        """``attend_projected`` for a qkv of the right shape (``forward`` made it itself)."""
+        """``attend_projected`` for a qkv of the right shape (``forward`` made it itself):
+        short convolution -> heads -> q/k norm -> RoPE -> the core's one attention call, in
+        every context (a cache, padding, a sequence shard)."""
         b, t, _ = qkv.shape
         keep = key_padding_mask
         if keep is not None:
@@ -228,24 +230,26 @@ class KernelAttention(AttentionCore):
             expected = self.cache_type
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache())")
-
         if shard is not None:
-            return self._attend_shard(qkv, shard, keep, cache)
+            self._check_shard(qkv, shard, keep, cache)
         if self.conv is not None:
-            tail = None if cache is None or cache.length == 0 else cache.conv_tail
-            qkv, new_tail = self.conv(qkv, keep=keep, tail=tail)
-            if cache is not None:
-                cache.conv_tail = new_tail
+            if shard is not None:
+                qkv = shard_short_conv(self.conv, qkv, shard, keep)
+            else:
+                tail = None if cache is None or cache.length == 0 else cache.conv_tail
+                qkv, new_tail = self.conv(qkv, keep=keep, tail=tail)
+                if cache is not None:
+                    cache.conv_tail = new_tail
         q, k, v = (self._heads(part) for part in qkv.split(self._split, dim=-1))
         work = working_dtype(q, v)  # before the norm and RoPE change q's dtype
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # rotated in the accumulation dtype
             acc = compute_dtype(torch.promote_types(q.dtype, v.dtype))
-            q, k = self._rotate(q.to(acc), k.to(acc), keep, cache)
+            q, k = self._rotate(q.to(acc), k.to(acc), keep, cache, shard)
         elif cache is not None:
             self._advance_positions(keep, cache, t)
-        return self.attend(q, k, v, keep=keep, cache=cache, dtype=work)
+        return self.attend(q, k, v, keep=keep, cache=cache, shard=shard, dtype=work)
 
     @staticmethod
     def merge_heads(o: torch.Tensor) -> torch.Tensor:
@@ -257,8 +261,8 @@ class KernelAttention(AttentionCore):
         a one-token decoding step feels four times per layer)."""
         return part.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
-    def _attend_shard(self, qkv, shard: SequenceShard, keep, cache) -> torch.Tensor:
-        """``attend_projected`` on a sequence shard (``polysketch.nn.sharding``)."""
+    def _check_shard(self, qkv, shard: SequenceShard, keep, cache) -> None:
+        """Refuse what a sequence shard cannot take (``polysketch.nn.sharding``)."""
         if not isinstance(shard, SequenceShard):
             raise TypeError(f"shard must be a SequenceShard (make_shard), got {type(shard)}")
         if cache is not None:
@@ -269,28 +273,20 @@ class KernelAttention(AttentionCore):
         if qkv.shape[1] != shard.length:
             raise ValueError(f"x holds {qkv.shape[1]} tokens, the shard {shard.length}")
         check_core_on_shard(self, shard)
-        if self.conv is not None:
-            qkv = shard_short_conv(self.conv, qkv, shard, keep)
-        q, k, v = (self._heads(part) for part in qkv.split(self._split, dim=-1))
-        work = working_dtype(q, v)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            acc = compute_dtype(torch.promote_types(q.dtype, v.dtype))
-            q, k = q.to(acc), k.to(acc)
-            if keep is not None:  # real tokens counted, those of earlier shards included
-                before = torch.tensor(shard.real_before, device=qkv.device)
-                q, k = self.rotary.rotate(q, k, positions=real_positions(keep, before))
-            elif shard.cu_seqlens is None:
-                q, k = self.rotary.rotate(q, k, offset=shard.start)
-            else:
-                pos = shard.positions(qkv.device).expand(qkv.shape[0], -1)
-                q, k = self.rotary.rotate(q, k, positions=pos)
-        return shard_attend(self, q, k, v, shard, dtype=work, keep=keep)
 
-    def _rotate(self, q, k, keep, cache):
+    def _rotate(self, q, k, keep, cache, shard=None):
         """RoPE at each token's position: t (+ the tokens consumed), or per row counting real
-        tokens only when there is padding (``nn.padding``)."""
+        tokens only when there is padding (``nn.padding``); on a sequence shard, the global
+        position (of real tokens, those of earlier shards included) or, packed, the position
+        in the token's document."""
+        if shard is not None:
+            if keep is not None:
+                before = torch.tensor(shard.real_before, device=q.device)
+                return self.rotary.rotate(q, k, positions=real_positions(keep, before))
+            if shard.cu_seqlens is None:
+                return self.rotary.rotate(q, k, offset=shard.start)
+            pos = shard.positions(q.device).expand(q.shape[0], -1)
+            return self.rotary.rotate(q, k, positions=pos)
         start = 0 if cache is None else cache.length
         per_row = None if cache is None else cache.positions
         if keep is None and per_row is None:

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .._checks import as_dtype, check_int, check_positive_int
+from ..distributed import cp_linear_attention, cp_mixed_attention
 from ..features import get_class
 from ..features.stability import attention_features
 from ..ops import (
@@ -63,6 +64,7 @@ from ..ops.recurrent import linear_attention_token
 from .cache import KVCache, MixedCache, RecurrentCache, WindowCache
 from .heads import MultiHeadFeatureMap
 from .padding import compaction, gather_time
+from .sharding import SequenceShard, check_core_on_shard, window_on_shard
 from .spec import AttentionSpec
 
 __all__ = ["AttentionCore", "RECOMPUTED_FORMS", "working_dtype"]
@@ -180,10 +182,11 @@ class AttentionCore(nn.Module):
     def gradient_surrogate(self) -> float:
         return self.spec.gradient_surrogate
 
-    def recomputes(self) -> bool:
+    def recomputes(self, shard=None) -> bool:
         """Whether this call recomputes its attention in the backward pass (``checkpoint``):
-        only while autograd records, and by default for ``RECOMPUTED_FORMS``."""
-        if not torch.is_grad_enabled():
+        only while autograd records, not on a sequence shard (the recomputation would repeat
+        the collectives), and by default for ``RECOMPUTED_FORMS``."""
+        if not torch.is_grad_enabled() or shard is not None:
             return False
         return self.form in RECOMPUTED_FORMS if self.checkpoint is None else self.checkpoint
 
@@ -236,9 +239,9 @@ class AttentionCore(nn.Module):
             self.feature_map.redraw_(generator)
 
     # ----- the computation -------------------------------------------------------------------
-    def forward(self, q, k, v, *, keep=None, cache=None) -> torch.Tensor:
+    def forward(self, q, k, v, *, keep=None, cache=None, shard=None) -> torch.Tensor:
         """Alias of ``attend``."""
-        return self.attend(q, k, v, keep=keep, cache=cache)
+        return self.attend(q, k, v, keep=keep, cache=cache, shard=shard)
 
     def attend(
         self,
@@ -248,13 +251,18 @@ class AttentionCore(nn.Module):
         *,
         keep: torch.Tensor | None = None,
         cache=None,
+        shard: SequenceShard | None = None,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """q (B, H, Tq, D), k (B, H, Tk, D), v (B, H, Tk, E) -> (B, H, Tq, E), v's dtype.
+        """q (B, H, Tq, D), k (B, H, Tk, D), v (B, H, Tk, E) -> (B, H, Tq, E), v's dtype: the
+        one attention call of every context.
 
         ``keep``: bool (B, Tk), True = real token (padded keys are removed, ``nn.padding``).
         ``cache``: a ``new_cache()`` object (q, k, v are then the next tokens, Tq = Tk, and
         the cache is updated in place) or None (queries aligned with the last keys).
+        ``shard``: q, k, v are this rank's positions of a longer sequence and/or packed
+        documents (``nn.sharding.SequenceShard``; the context-parallel and packed ops of
+        ``polysketch.distributed`` / ``ops.varlen``); not with a cache.
         ``dtype``: the working dtype (default ``working_dtype(q, v)``), from which
         ``ops.dispatch.operand_dtype`` decides the operands.
         """
@@ -264,6 +272,11 @@ class AttentionCore(nn.Module):
                 f"keep must be a bool (B, Tk) = {(k.shape[0], k.shape[-2])} key mask, got "
                 f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}"
             )
+        if shard is not None:
+            if cache is not None:
+                raise ValueError("cache is not supported with a sequence shard (context "
+                                 "parallelism / packing)")  # fmt: skip
+            check_core_on_shard(self, shard)
         device = q.device.type
         work = working_dtype(q, v) if dtype is None else dtype
         out_dtype = v.dtype
@@ -271,21 +284,21 @@ class AttentionCore(nn.Module):
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             od = dispatch.operand_dtype(work, q.device)  # half stays half on accelerators
             q, k, v = as_dtype(q, od), as_dtype(k, od), as_dtype(v, od)
-            o = self._attend(q, k, v, keep, cache)
+            o = self._attend(q, k, v, keep, cache, shard)
         return as_dtype(o, out_dtype)
 
-    def _attend(self, q, k, v, keep, cache) -> torch.Tensor:
+    def _attend(self, q, k, v, keep, cache, shard=None) -> torch.Tensor:
         """The form on (B, H, T, ·) tensors in the operand dtype (module docstring)."""
         if self.exact_degree is not None and cache is None:  # warm start (nn.warm_start)
             kpm = None if keep is None else keep.unsqueeze(1)
             return polynomial_attention(q, k, v, degree=self.exact_degree, causal=self.causal,
                 denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
         if self.form == "linear":
-            return self._linear(q, k, v, keep, cache)
+            return self._linear(q, k, v, keep, cache, shard)
         if self.form == "mixed":
-            return self._mixed(q, k, v, keep, cache)
+            return self._mixed(q, k, v, keep, cache, shard)
         if self.form == "window":
-            return self._window(q, k, v, keep, cache)
+            return self._window(q, k, v, keep, cache, shard)
         return self._exact(q, k, v, keep, cache)
 
     def _exact(self, q, k, v, keep, cache) -> torch.Tensor:
@@ -315,10 +328,17 @@ class AttentionCore(nn.Module):
             initial_sums=None if self.feature_map.square else initial_sums,
         )  # fmt: skip
 
-    def _linear(self, q, k, v, keep, cache) -> torch.Tensor:
+    def _linear(self, q, k, v, keep, cache, shard=None) -> torch.Tensor:
         fm, kpm = self.feature_map, None if keep is None else keep.unsqueeze(1)
         kw = dict(square=fm.square, denominator_offset=self.denominator_offset,
                   key_padding_mask=kpm)  # fmt: skip
+        if shard is not None:  # the rank's shard and/or packed documents
+            phi_q, phi_k = self._features(q, k, kpm)
+            cu = None if shard.cu_seqlens is None else list(shard.cu_seqlens)
+            kw |= dict(chunk_size=self.chunk_size, cu_seqlens=cu)
+            if shard.group is None:
+                return linear_attention(phi_q, phi_k, v, causal=True, **kw)
+            return cp_linear_attention(phi_q, phi_k, v, group=shard.group, **kw)
         state = None if cache is None else cache.state
         if state is not None and q.shape[-2] == 1:  # one token: one fused update and read
             phi_q, phi_k = self._features(q, k, kpm, initial_sums=state.denominator)
@@ -341,6 +361,15 @@ class AttentionCore(nn.Module):
             return _checkpoint(run, q, k, v, use_reentrant=False)
         return run(q, k, v)
 
+    def _mixed_op(self, q, k, v, phi_q, phi_k, *, local, square, shard=None) -> torch.Tensor:
+        """``ops.mixed_attention`` of this core's blocks, or ``cp_mixed_attention`` over the
+        ranks of ``shard``'s group."""
+        kw = dict(chunk_size=self.chunk_size, local=local, degree=self.degree, square=square,
+                  denominator_offset=self.denominator_offset)  # fmt: skip
+        if shard is None:
+            return mixed_attention(q, k, v, phi_q, phi_k, **kw)
+        return cp_mixed_attention(q, k, v, phi_q, phi_k, group=shard.group, **kw)
+
     def _global_queries(self, phi_q: torch.Tensor) -> torch.Tensor:
         """φq of the far blocks: × exp(β_h) (exp(β_h/2) for square maps), or 0 if ablated."""
         if self.global_ablated:
@@ -353,7 +382,7 @@ class AttentionCore(nn.Module):
         factor = factor.to(phi_q.dtype)
         return phi_q * factor.view(self.num_heads, 1, 1)
 
-    def _mixed(self, q, k, v, keep, cache) -> torch.Tensor:
+    def _mixed(self, q, k, v, keep, cache, shard=None) -> torch.Tensor:
         fm = self.feature_map
         if cache is None and q.shape[-2] != k.shape[-2]:
             raise ValueError(
@@ -384,13 +413,14 @@ class AttentionCore(nn.Module):
             surrogate = self.gradient_surrogate and torch.is_grad_enabled() and cache is None
             q_in, k_in, v_in = q, k, v
             phi_q, k, phi_k, v = features(q, k, v, keep)
-            out = mixed_attention(q, k, v, phi_q, phi_k, chunk_size=self.chunk_size,
-                                  local=self.spec.local, degree=self.degree, square=fm.square,
-                                  denominator_offset=self.denominator_offset)  # fmt: skip
+            out = self._mixed_op(q, k, v, phi_q, phi_k, local=self.spec.local,
+                                 square=fm.square, shard=shard)  # fmt: skip
             if surrogate:
-                out = out + self._gradient_surrogate(q_in, k_in, v_in, keep)
+                out = out + self._gradient_surrogate(q_in, k_in, v_in, keep, shard)
             return out, k, phi_k, v
 
+        if shard is not None:  # a rank's shard: no padding, no cache (check_core_on_shard)
+            return run(q, k, v)[0]
         if cache is None and self.recomputes():
             out = _checkpoint(lambda *x: run(*x)[0], q, k, v, use_reentrant=False)
         else:
@@ -409,7 +439,7 @@ class AttentionCore(nn.Module):
 
         return unit(q), unit(k)
 
-    def _gradient_surrogate(self, q, k, v, keep) -> torch.Tensor:
+    def _gradient_surrogate(self, q, k, v, keep, shard=None) -> torch.Tensor:
         """λ·(o_lin − sg(o_lin)): 0 in value; the gradient of the same far-block attention with
         the kernel 1 + cos(q, k), values detached (``__init__``). q, k (B, H, T, D), v (B, H,
         T, E), keep (B, T) or None -> (B, H, T, E)."""
@@ -418,9 +448,7 @@ class AttentionCore(nn.Module):
         if keep is not None:  # padded keys drop out, as in the attention itself
             m = keep[:, None, :, None]
             lin_k, v = (torch.where(m, x, x.new_zeros(())) for x in (lin_k, v))
-        o = mixed_attention(q, k, v, lin_q, lin_k, chunk_size=self.chunk_size, local="none",
-                            degree=self.degree, square=False,
-                            denominator_offset=self.denominator_offset)  # fmt: skip
+        o = self._mixed_op(q, k, v, lin_q, lin_k, local="none", square=False, shard=shard)
         return self.gradient_surrogate * (o - o.detach())
 
     def window_options(self) -> dict:
@@ -430,7 +458,9 @@ class AttentionCore(nn.Module):
         return dict(kernel=kernel, scale=self.softmax_scale if kernel == "softmax" else None,
                     degree=self.degree, denominator_offset=self.denominator_offset)  # fmt: skip
 
-    def _window(self, q, k, v, keep, cache) -> torch.Tensor:
+    def _window(self, q, k, v, keep, cache, shard=None) -> torch.Tensor:
+        if shard is not None:  # the w - 1 keys before the shard come from the previous rank
+            return window_on_shard(self, q, k, v, shard)
         kw = self.window_options()
         kernel, scale = kw["kernel"], kw["scale"]
         if cache is not None and cache.length > 0:  # one token at a time

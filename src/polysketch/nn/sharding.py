@@ -35,20 +35,26 @@ together with a shard.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .._checks import check_int
-from ..distributed import cp_linear_attention, cp_mixed_attention, cp_short_conv, halo
+from ..distributed import cp_short_conv, halo
 from ..distributed.comm import gather_ints
 from ..distributed.group import CPGroup, resolve_group
-from ..ops import dispatch, linear_attention, window_attention
+from ..ops import window_attention
 from ..ops.varlen import check_cu_seqlens
 
-__all__ = ["CP_ALGORITHMS", "SequenceShard", "make_shard", "shard_attend", "shard_short_conv"]
+__all__ = [
+    "CP_ALGORITHMS",
+    "SequenceShard",
+    "check_core_on_shard",
+    "make_shard",
+    "shard_short_conv",
+    "window_on_shard",
+]
 
 CP_ALGORITHMS = {"linear": "every feature map (psf_random, psf_learned, ...)",
                  "mixed": "psf_mixed / mixed=True",
@@ -147,48 +153,7 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
         )
 
 
-def shard_attend(core, q, k, v, shard: SequenceShard, *, dtype: torch.dtype,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``core.attend`` for this shard: q, k (B, H, T_r, D), v (B, H, T_r, E) -> (B, H, T_r, E)
-    in v's dtype. The precision policy of ``AttentionCore.attend`` (autocast off, operands
-    of ``ops.dispatch.operand_dtype(dtype)``). ``keep``: bool (B, T_r) key padding mask
-    (linear attention on a cp shard: padded keys drop out)."""
-    check_core_on_shard(core, shard)
-    device = q.device.type
-    out_dtype = v.dtype
-    autocast = torch.is_autocast_enabled(device)
-    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        od = dispatch.operand_dtype(dtype, q.device)
-        q, k, v = q.to(od), k.to(od), v.to(od)
-        fm = core.feature_map
-        cu = None if shard.cu_seqlens is None else list(shard.cu_seqlens)
-        if core.form == "linear":
-            kpm = None if keep is None else keep.unsqueeze(1)  # (B, 1, T_r)
-            phi_q, phi_k = core._features(q, k, kpm)
-            kw = dict(square=fm.square, chunk_size=core.chunk_size, key_padding_mask=kpm,
-                      denominator_offset=core.denominator_offset, cu_seqlens=cu)  # fmt: skip
-            if shard.group is None:
-                o = linear_attention(phi_q, phi_k, v, causal=True, **kw)
-            else:
-                o = cp_linear_attention(phi_q, phi_k, v, group=shard.group, **kw)
-        elif core.form == "window":
-            o = _window_on_shard(core, q, k, v, shard)
-        else:  # mixed: no query rescaling, the local scores share the normalizer
-            phi_q, phi_k = core._features(q, k, None, normalize=False)
-            phi_q = core._global_queries(phi_q)
-            kw = dict(group=shard.group, chunk_size=core.chunk_size, degree=core.degree,
-                      denominator_offset=core.denominator_offset)  # fmt: skip
-            o = cp_mixed_attention(q, k, v, phi_q, phi_k, local=core.spec.local,
-                                   square=fm.square, **kw)  # fmt: skip
-            if core.gradient_surrogate and torch.is_grad_enabled():  # 0 in value (core)
-                lin_q, lin_k = core.surrogate_features(q, k)
-                o_lin = cp_mixed_attention(q, k, v.detach(), lin_q, lin_k, local="none",
-                                           square=False, **kw)  # fmt: skip
-                o = o + core.gradient_surrogate * (o_lin - o_lin.detach())
-    return o.to(out_dtype)
-
-
-def _window_on_shard(core, q, k, v, shard: SequenceShard) -> torch.Tensor:
+def window_on_shard(core, q, k, v, shard: SequenceShard) -> torch.Tensor:
     """Sliding-window attention of this shard's queries (B, H, T_r, ·) (module doc).
 
     The w − 1 keys and values before the shard come from the previous ranks (one halo of

@@ -111,9 +111,9 @@ PSF_LABEL = "polysketch² (psf_random)"
 
 def psf_random_sketch() -> dict:
     """The keywords of psf_random's feature map (degree-2 sketch, self-tensored), r included."""
-    from ...nn.presets import PRESETS
+    from ...nn import resolve_attention
 
-    return dict(PRESETS["psf_random"]["settings"]["map_kwargs"])
+    return dict(resolve_attention("psf_random", 64).map_kwargs)  # no keyword depends on D
 
 
 def sketch_sizes(feature_dims) -> list[int]:

@@ -63,7 +63,5 @@ QUICK = DemoSizes(
 
 
 def polysketch_attention() -> str:
-    """The polysketch attention the demo compares with softmax: ``psf_random`` if present."""
-    from ...nn import PRESETS
-
-    return "psf_random" if "psf_random" in PRESETS else "polysketch"
+    """The polysketch attention the demo compares with softmax: ``psf_random``."""
+    return "psf_random"
