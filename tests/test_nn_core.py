@@ -18,6 +18,7 @@ from polysketch.nn import (
     TransformerLM,
     ablate_global,
 )
+from polysketch.nn.ablate import is_ablated
 from polysketch.ops import naive_window_attention, polynomial_attention
 
 E, H = 16, 2
@@ -237,13 +238,13 @@ def test_ablate_global_leaves_block_local_exact_attention():
     want = layer.out_proj(rearrange(local, "b h t d -> b t (h d)"))
     full = layer(x)
     with ablate_global(layer):
-        assert layer.global_ablated
+        assert is_ablated(layer)
         assert rel_err(layer(x), want) <= 1e-12
         cache = layer.new_cache()
         steps = [layer(x[:, :5], cache=cache)] + [layer(x[:, t : t + 1], cache=cache)
                                                   for t in range(5, 13)]  # fmt: skip
         assert rel_err(torch.cat(steps, 1), want) <= 1e-10
-    assert not layer.global_ablated and torch.equal(layer(x), full)
+    assert not is_ablated(layer) and torch.equal(layer(x), full)
     with pytest.raises(ValueError, match="no attention with a separate global part"):
         with ablate_global(_layer("psf_random")):
             pass

@@ -6,7 +6,7 @@ import torch
 
 from polysketch.cli import main
 from polysketch.nn import TransformerLM
-from polysketch.nn.warm_start import target_degree
+from polysketch.nn.warm_start import exact_degree, target_degree
 from polysketch.train import load_checkpoint, train
 from test_train_loop import TEXT, corpus  # noqa: F401, F811  (the tiny corpus fixture)
 from test_train_loop import tiny_model as _tiny_model
@@ -79,14 +79,14 @@ def test_training_switches_at_n_and_resumes_on_either_side(tmp_path, corpus):  #
     assert straight["val"][0]["loss"] == poly["val"][0]["loss"]
     assert straight["val"][1]["loss"] != poly["val"][1]["loss"]
     model = straight["model"]
-    assert all(b.attn.exact_degree is None for b in model.blocks)  # ends in sketch mode
+    assert all(exact_degree(b.attn) is None for b in model.blocks)  # ends in sketch mode
     for stop, folder in ((2, "before"), (4, "after")):
         out = tmp_path / folder
         first = train(
             mc, tiny_train(out, warm_start_steps=3), corpus, progress=False, stop_after=stop
         )
         assert _losses(first) == ls[:stop]
-        assert [b.attn.exact_degree for b in first["model"].blocks] == (
+        assert [exact_degree(b.attn) for b in first["model"].blocks] == (
             [4, 4] if stop < 3 else [None, None]
         )
         resumed = train(
@@ -94,7 +94,7 @@ def test_training_switches_at_n_and_resumes_on_either_side(tmp_path, corpus):  #
         )
         assert _losses(resumed) == ls
         assert [v["loss"] for v in resumed["val"]] == [v["loss"] for v in straight["val"]]
-        assert all(b.attn.exact_degree is None for b in resumed["model"].blocks)
+        assert all(exact_degree(b.attn) is None for b in resumed["model"].blocks)
         sa, sb = model.state_dict(), resumed["model"].state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
-__all__ = ["ablate_global", "global_cores", "global_parts"]
+__all__ = ["ablate_global", "global_cores", "global_parts", "is_ablated"]
 
 
 def global_cores(model: nn.Module) -> list:
@@ -38,6 +39,19 @@ def global_parts(model: nn.Module) -> list:
     return global_cores(model) + blocks
 
 
+def is_ablated(part: nn.Module) -> bool:
+    """Whether ``ablate_global`` has switched off the global part of ``part`` (a mixed core
+    or a block with a sliding-window branch)."""
+    if "_global_queries" in part.__dict__:
+        return True
+    return bool(getattr(part, "global_ablated", False))
+
+
+def _zero_queries(phi_q):
+    """A mixed core's far-block queries while ablated: 0 (no score for an earlier block)."""
+    return torch.zeros_like(phi_q)
+
+
 @contextlib.contextmanager
 def ablate_global(model: nn.Module):
     """Within the block, every mixed core of ``model`` drops its far-block scores, and every
@@ -46,18 +60,23 @@ def ablate_global(model: nn.Module):
     Raises ValueError if ``model`` has neither (nothing would be ablated: linear attention is
     all global, softmax and polynomial have no separate global part).
     """
-    cores = global_parts(model)
-    if not cores:
+    cores, blocks = global_cores(model), global_parts(model)[len(global_cores(model)):]
+    if not cores and not blocks:
         raise ValueError(
             "model has no attention with a separate global part (no mixed attention, "
             "psf_mixed or mixed=True, and no local_window branch); ablate_global is defined "
             "for those only"
         )
-    before = [core.global_ablated for core in cores]
+    wrapped = [core for core in cores if "_global_queries" not in core.__dict__]
+    before = [block.global_ablated for block in blocks]
     try:
-        for core in cores:
-            core.global_ablated = True
+        for core in wrapped:  # a wrapper on the instance: the core keeps no ablation field
+            core.__dict__["_global_queries"] = _zero_queries
+        for block in blocks:
+            block.global_ablated = True
         yield model
     finally:
-        for core, was in zip(cores, before, strict=True):
-            core.global_ablated = was
+        for core in wrapped:
+            core.__dict__.pop("_global_queries", None)
+        for block, was in zip(blocks, before, strict=True):
+            block.global_ablated = was

@@ -29,12 +29,14 @@ below is shared. The core owns
   attention is one fused ``ops.recurrent.linear_attention_token`` (``linear_attention_step``
   without its argument checks), of mixed attention one
   ``ops.mixed_attention_step``;
-* the warm start (``exact_degree``, ``nn.warm_start``), mixed attention's learned per-head
-  balance ``log_balance`` (β_h: far-block scores × exp(β_h), i.e. φq × exp(β_h) for plain
-  maps, × exp(β_h/2) for square ones) and the global-part ablation (``nn.ablate_global``).
+* mixed attention's learned per-head balance ``log_balance`` (β_h: far-block scores ×
+  exp(β_h), i.e. φq × exp(β_h) for plain maps, × exp(β_h/2) for square ones).
 
-``_attend(q, k, v, keep, cache)`` is the single call that receives the post-norm, post-RoPE
-q, k, v in the operand dtype (capture and diagnosis tools wrap it).
+``_attend(q, k, v, keep, cache, shard)`` is the single call that receives the post-norm,
+post-RoPE q, k, v in the operand dtype. Experiments change what a layer computes by wrapping
+it (or ``_global_queries``) on the instance, never through fields of the core: the warm
+start's exact attention (``nn.warm_start``), the global-part ablation (``nn.ablate``), the
+capture and diagnosis tools.
 """
 
 from __future__ import annotations
@@ -131,8 +133,6 @@ class AttentionCore(nn.Module):
         if spec.needs_causal and not self.causal:
             raise ValueError(f"attention={spec.name!r} ({spec.form} attention) needs causal=True")
         self.spec = spec
-        self.exact_degree: int | None = None  # warm start: see polysketch.nn.warm_start
-        self.global_ablated = False  # see polysketch.nn.ablate_global
         # the q/k LayerNorms (spec.qk_norm) are built and applied by the subclasses, where
         # their architecture puts them; their slots come first (state_dict order)
         self.register_module("q_norm", None)
@@ -289,10 +289,6 @@ class AttentionCore(nn.Module):
 
     def _attend(self, q, k, v, keep, cache, shard=None) -> torch.Tensor:
         """The form on (B, H, T, ·) tensors in the operand dtype (module docstring)."""
-        if self.exact_degree is not None and cache is None:  # warm start (nn.warm_start)
-            kpm = None if keep is None else keep.unsqueeze(1)
-            return polynomial_attention(q, k, v, degree=self.exact_degree, causal=self.causal,
-                denominator_offset=self.denominator_offset, key_padding_mask=kpm)  # fmt: skip
         if self.form == "linear":
             return self._linear(q, k, v, keep, cache, shard)
         if self.form == "mixed":
@@ -371,9 +367,7 @@ class AttentionCore(nn.Module):
         return cp_mixed_attention(q, k, v, phi_q, phi_k, group=shard.group, **kw)
 
     def _global_queries(self, phi_q: torch.Tensor) -> torch.Tensor:
-        """φq of the far blocks: × exp(β_h) (exp(β_h/2) for square maps), or 0 if ablated."""
-        if self.global_ablated:
-            return torch.zeros_like(phi_q)
+        """φq of the far blocks: × exp(β_h) (exp(β_h/2) for square maps)."""
         if self.log_balance is None:
             return phi_q
         power = 0.5 if self.feature_map.square else 1.0

@@ -46,6 +46,7 @@ from ..distributed.comm import gather_ints
 from ..distributed.group import CPGroup, resolve_group
 from ..ops import window_attention
 from ..ops.varlen import check_cu_seqlens
+from .warm_start import exact_degree
 
 __all__ = [
     "CP_ALGORITHMS",
@@ -141,7 +142,7 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
             + ": mixed attention's block grid and the window would count each row's real "
             "tokens across ranks; pack documents with cu_seqlens instead of padding"
         )
-    if core.exact_degree is not None:
+    if exact_degree(core) is not None:
         raise ValueError(
             "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
             "context-parallel or packed form: switch it off first"

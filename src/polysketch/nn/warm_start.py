@@ -9,8 +9,10 @@ A sketched layer (``algorithm`` ``"linear"`` with a polynomial-kernel feature ma
 p the degree of the map's ``target_kernel`` (``psf_random``: the degree-2 sketch
 self-tensored, p = 4; ``psf_learned``: its target degree 4; ``psf_mixed``: its local degree
 4), on the same LayerNorm'd, rotated q and k and the same normalizer offset. In *exact* mode
-the layer computes that instead of the sketch (``KernelAttention.exact_degree``), so a model
-can be trained exactly for N steps and then continue with the sketch, every weight shared.
+the layer computes that instead of the sketch (a wrapper around the layer's attention call,
+installed and removed here: the core holds no field for it; ``exact_degree(layer)`` reads
+it), so a model can be trained exactly for N steps and then continue with the sketch, every
+weight shared. Decoding (a cache) always runs the sketch.
 
 The mode is not model state: ``polysketch.train`` sets it from the step count at every step
 (``TrainConfig.warm_start_steps``), so a run resumed after the switch is in sketch mode and
@@ -24,7 +26,9 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["target_degree", "set_exact_attention", "exact_attention_layers"]
+from ..ops import polynomial_attention
+
+__all__ = ["exact_attention_layers", "exact_degree", "set_exact_attention", "target_degree"]
 
 
 @torch.no_grad()
@@ -64,6 +68,28 @@ def exact_attention_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def exact_degree(layer: nn.Module) -> int | None:
+    """p while ``layer`` computes the exact attention of degree p (exact mode), else None."""
+    attend = layer.__dict__.get("_attend")
+    return getattr(attend, "exact_degree", None)
+
+
+def _exact_mode(layer: nn.Module, p: int):
+    """The wrapper of ``layer._attend`` in exact mode: (q·k)^p attention without a cache."""
+    sketch = type(layer)._attend.__get__(layer)
+
+    def attend(q, k, v, keep, cache, shard=None):
+        if cache is not None or shard is not None:  # decoding, a shard: the sketch
+            return sketch(q, k, v, keep, cache, shard)
+        kpm = None if keep is None else keep.unsqueeze(1)
+        return polynomial_attention(q, k, v, degree=p, causal=layer.causal,
+                                    denominator_offset=layer.denominator_offset,
+                                    key_padding_mask=kpm)  # fmt: skip
+
+    attend.exact_degree = p
+    return attend
+
+
 def set_exact_attention(model: nn.Module, exact: bool) -> int:
     """Put every sketched layer of ``model`` in exact (True) or sketch (False) mode.
 
@@ -75,7 +101,9 @@ def set_exact_attention(model: nn.Module, exact: bool) -> int:
     layers = exact_attention_layers(model)
     if not layers:
         raise ValueError("the model has no sketched attention layer to warm-start")
-    degrees = [(m.exact_degree or target_degree(m)) if exact else None for m in layers]
+    degrees = [(exact_degree(m) or target_degree(m)) if exact else None for m in layers]
     for layer, p in zip(layers, degrees, strict=True):
-        layer.exact_degree = p
+        layer.__dict__.pop("_attend", None)
+        if p is not None:
+            layer.__dict__["_attend"] = _exact_mode(layer, p)
     return len(layers)

@@ -141,6 +141,7 @@ def _record_cores(model, found, chosen, keep, idx, forward_kwargs) -> dict[int, 
 
     was_training = model.training
     model.eval()
+    before = {i: found[i].__dict__.get("_attend") for i in chosen}  # a wrapper already there
     try:
         for i in chosen:
             found[i]._attend = wrap(i, found[i])  # instance attribute shadows the method
@@ -148,6 +149,8 @@ def _record_cores(model, found, chosen, keep, idx, forward_kwargs) -> dict[int, 
     finally:
         for i in chosen:
             found[i].__dict__.pop("_attend", None)
+            if before[i] is not None:
+                found[i].__dict__["_attend"] = before[i]
         model.train(was_training)
     return records
 
