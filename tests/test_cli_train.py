@@ -440,3 +440,61 @@ def test_mqar_takes_no_progress_like_every_command(tmp_path, capsys, monkeypatch
     with pytest.raises(SystemExit):
         main(["mqar", "--quick", "--progress", "--out", str(tmp_path / "o2")])
     capsys.readouterr()
+
+
+# ----- one source of truth: flags from the configs, a config file read first (issue 40) --------
+def test_every_config_field_has_its_flag_with_its_help(capsys):
+    """The model and training flags are generated from the dataclasses: every field the command
+    does not set itself has a flag, and the flag's help is the field's."""
+    import dataclasses
+
+    from polysketch._fields import help_of
+    from polysketch.nn import TransformerConfig
+    from polysketch.train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    own = {"vocab_size", "seed", "map_kwargs", "out_dir", "block_size"}  # set by the command
+    for cls in (TransformerConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in own:
+                continue
+            assert "--" + f.name.replace("_", "-") in text, f.name
+            assert " ".join(help_of(f).split())[:40] in text, f.name
+
+
+def test_a_config_file_is_read_first_and_flags_override_it(tmp_path, text_file, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[data]\ncorpus = "{text_file}"\n\n'
+        '[model]\nattention = "elu"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n'
+        "[model.map_kwargs]\n\n"
+        "[train]\nsteps = 3\nbatch_size = 2\nlr = 0.002\neval_batches = 1\n"
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--n-embd", "32", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    state = load_checkpoint(out / "ckpt.pt", restore_rng=False)
+    model, train = state["model_config"], state["train_config"]
+    assert (model["attention"], model["n_layer"], model["n_embd"]) == ("elu", 1, 32)  # flag wins
+    assert (train["steps"], train["lr"], train["warmup_steps"]) == (3, 0.002, 0)
+    assert state["metadata"]["source"]["corpus"] == str(text_file)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[model]\nn_layers = 2\n", r"unknown keys \['n_layers'\] in \[model\]"),
+    ("[optim]\nlr = 1.0\n", r"unknown tables \['optim'\]"),
+    ("[model\n", "is not TOML"),
+])  # fmt: skip
+def test_a_bad_config_file_is_an_error_naming_it(tmp_path, capsys, content, message):
+    config = tmp_path / "run.toml"
+    config.write_text(content)
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    import re
+
+    assert re.search(message, err), err
+    assert not (tmp_path / "o").exists()

@@ -235,7 +235,9 @@ def test_soft_hash_local_model_preset_is_one_soft_hash_512_head_at_temperature_8
     assert (narrower.attention.name, narrower.hybrid.window) == ("soft_hash_1k", 8)
     wider = TransformerConfig(attention="soft_hash_local", map_kwargs={"num_features": 64}, **small)
     assert dict(wider.resolve().attention.map_kwargs) == {
-        "num_features": 64, "temperature": 8.0}  # the user's win
+        "num_features": 64,
+        "temperature": 8.0,
+    }  # the user's win
     assert TransformerLM(wider).blocks[1].attn.feature_map.feature_dim == 64
     spelled_out = "model preset.*soft_hash_1k, num_features=512, temperature=8.0.*global_heads=1"
     with pytest.raises(ValueError, match=spelled_out):

@@ -71,8 +71,8 @@ def test_torchrun_cp2_equals_one_process(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--cp", "2"], "--cp 2 must divide the number of processes (1)"),
-        (["--fsdp"], "--fsdp needs several processes"),
+        (["--cp", "2"], "cp=2 must divide the number of processes (1)"),
+        (["--fsdp"], "fsdp: sharding parameters needs several processes"),
         (["--cp", "2", "--attention", "softmax"], "attention='softmax'"),
         (["--fsdp", "--compile"], "compile is not supported with fsdp"),
     ],

@@ -42,36 +42,30 @@ from ..train import (
     load_checkpoint,
     train,
 )
-from ..train.distributed import env_world_size, rank_slice
-from ..train.loop import TrainingOutOfMemoryError, WarmupWarning
-from ..train.mesh import check_cp_model
+from ..train.loop import TrainingOutOfMemoryError, WarmupWarning, check_launch
 from ..train.schedule import learning_rate
 from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
+from ._flags import add_config_flags, given, read_config
 
-__all__ = ["add_parser", "run", "load_data", "default_warmup", "ERROR_EXIT", "RESUME_FLAGS"]
+__all__ = ["add_parser", "run", "load_data", "default_warmup", "ERROR_EXIT", "RESUME_OVERRIDES"]
 
-RESUME_FLAGS = ("out", "resume", "steps", "device", "compile", "no_progress", "overwrite", "cp",
-                "fsdp")  # fmt: skip
-"""The options ``--resume`` honours; every other option is the checkpoint's (warned about)."""
+RESUME_OVERRIDES = ("steps", "device", "compile", "cp", "fsdp")
+"""The configuration ``--resume`` takes from the flags (besides ``--out``, ``--no-progress``);
+every other option is the checkpoint's, and one given is warned about."""
 
-_ACTIONS = {
-    "store": argparse._StoreAction,
-    "store_true": argparse._StoreTrueAction,
-    "append": argparse._AppendAction,
+DATA = {
+    "corpus": "shakespeare", "task": None, "max_bytes": None, "val_fraction": 0.1,
+    "mqar_vocab": 256, "mqar_seq_len": 64, "mqar_kv_pairs": 8, "mqar_train": 20000,
+    "mqar_val": 1000,
+}  # fmt: skip
+"""The data options (``[data]`` of ``--config``) and their defaults."""
+
+_MODEL_SKIP = ("vocab_size", "seed", "map_kwargs")  # from the data, --seed, --map-kw
+_TRAIN_SKIP = ("out_dir", "block_size", "seed")  # --out, the model's block, --seed
+_TRAIN_OPTIONS = {
+    "amp": {"choices": ["bf16"]},
+    "compile": {"nargs": "?", "const": "inductor", "metavar": "BACKEND"},
 }
-
-
-def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
-    """``base`` that also records, in ``namespace.given``, the options the user typed."""
-
-    class Recording(base):
-        def __call__(self, parser, namespace, values, option_string=None):
-            super().__call__(parser, namespace, values, option_string)
-            given = dict(getattr(namespace, "given", None) or {})
-            given[self.dest] = max(self.option_strings, key=len)
-            namespace.given = given
-
-    return Recording
 
 
 def default_warmup(steps: int) -> int:
@@ -80,226 +74,127 @@ def default_warmup(steps: int) -> int:
     return min(TrainConfig.warmup_steps, steps // 10)
 
 
-class _Recorded:
-    """An argument group whose ``add_argument`` records the options given (``_recording``)."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def add_argument(self, *names, **kwargs):
-        kwargs["action"] = _recording(_ACTIONS[kwargs.get("action", "store")])
-        return self.group.add_argument(*names, **kwargs)
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``train`` on the top-level CLI's ``subparsers``."""
-    mdef, tdef = TransformerConfig(), TrainConfig()
+    """Register ``train`` on the top-level CLI's ``subparsers``: the model and training flags
+    are generated from ``TransformerConfig`` and ``TrainConfig`` (``commands._flags``)."""
     p = subparsers.add_parser(
         "train",
         help="train a small LM (corpus or MQAR) with any attention; checkpoints, resume, DDP",
         description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.set_defaults(given=None)
-    data = _Recorded(p.add_argument_group("data"))
-    src = _Recorded(data.group.add_mutually_exclusive_group())
-    src.add_argument("--corpus", default="shakespeare", help="shakespeare | stdlib | PATH")
-    src.add_argument("--task", choices=["mqar"], default=None, help="synthetic task instead")
-    data.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
-    data.add_argument("--val-fraction", type=float, default=0.1)
-    data.add_argument(
-        "--pack", action="store_true",
-        help="pack each micro-batch into one row of documents (a new one at every row start "
-        "and after every blank line), each computed alone (linear attentions only)",
+    p.add_argument(
+        "--config", default=None, metavar="TOML",
+        help="a TOML file of [data], [model] and [train] tables (keys: the flags' names with "
+        "underscores; [model] map_kwargs a table), read first; flags given override it",
     )  # fmt: skip
-    data.add_argument("--mqar-vocab", type=int, default=256)
-    data.add_argument("--mqar-seq-len", type=int, default=64)
-    data.add_argument("--mqar-kv-pairs", type=int, default=8)
-    data.add_argument("--mqar-train", type=int, default=20000, help="training examples")
-    data.add_argument("--mqar-val", type=int, default=1000, help="validation examples")
-
-    model = _Recorded(p.add_argument_group("model"))
-    model.add_argument("--attention", default=mdef.attention)
-    model.add_argument(
-        "--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword (repeat)"
-    )
-    model.add_argument("--n-layer", type=int, default=mdef.n_layer)
-    model.add_argument("--n-head", type=int, default=mdef.n_head)
-    model.add_argument("--n-embd", type=int, default=mdef.n_embd)
-    model.add_argument("--block-size", type=int, default=mdef.block_size)
-    model.add_argument("--chunk-size", type=int, default=mdef.chunk_size)
-    model.add_argument("--dropout", type=float, default=mdef.dropout)
-    model.add_argument("--no-rope", action="store_true", help="disable rotary embeddings")
-    model.add_argument(
-        "--qk-dim", type=int, default=None, help="per-head query/key size (default: head dim)"
-    )
-    model.add_argument(
-        "--value-dim", type=int, default=None,
-        help="per-head value size of the attention (default: n_embd / its heads)",
-    )  # fmt: skip
-    model.add_argument(
-        "--short-conv", type=int, default=0, metavar="K",
-        help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off",
-    )  # fmt: skip
-    model.add_argument(
-        "--window", type=int, default=None, metavar="W",
-        help="keys each query sees with --attention sliding_window (itself included; required "
-        "there)",
-    )  # fmt: skip
-    model.add_argument(
-        "--local-window", type=int, default=None, metavar="W",
-        help="add an exact sliding-window softmax branch over the last W tokens beside the "
-        "attention in every layer (its own projections and normalizer; BASED's local + global)",
-    )  # fmt: skip
-    model.add_argument(
-        "--local-shared", action="store_true", default=None,
-        help="the --local-window branch reads the attention's q/k/v and output projections "
-        "(half the projections; default: the model preset's, else its own)",
-    )  # fmt: skip
-    model.add_argument(
-        "--global-heads", type=int, default=None, metavar="G",
-        help="heads of the attention beside the --local-window branch (q/k of the model's "
-        "head dim, values of n_embd/G; default: the model preset's, else --n-head)",
-    )  # fmt: skip
-    model.add_argument(
-        "--global-every", type=int, default=None, metavar="K",
-        help="only every K-th layer (K-1, 2K-1, ...) has the attention beside the "
-        "--local-window branch; the others are the window alone (default: every layer)",
-    )  # fmt: skip
-
-    model.add_argument(
-        "--gradient-surrogate", type=float, default=None, metavar="LAMBDA",
-        help="λ of the training-only surrogate gradient of attention without in-block scores "
-        "(soft_hash_far; exactly 0 in value, see polysketch.nn.core; default: the model "
-        "preset's, else 0)",
-    )  # fmt: skip
-    model.add_argument(
-        "--no-global-rope", action="store_true",
-        help="no RoPE on the q/k of the attention beside the --local-window branch (content "
-        "only; the window keeps RoPE; default: the model preset's, else as the model)",
-    )  # fmt: skip
-
-    opt = _Recorded(p.add_argument_group("optimization"))
-    opt.add_argument("--steps", type=int, default=None, help=f"(default {tdef.steps})")
-    opt.add_argument("--batch-size", type=int, default=tdef.batch_size, help="global batch")
-    opt.add_argument("--lr", type=float, default=tdef.lr)
-    opt.add_argument("--min-lr", type=float, default=tdef.min_lr)
+    data = p.add_argument_group("data")
+    src = data.add_mutually_exclusive_group()
+    src.add_argument("--corpus", default=argparse.SUPPRESS,
+                     help="shakespeare | stdlib | PATH (default: shakespeare)")  # fmt: skip
+    src.add_argument("--task", choices=["mqar"], default=argparse.SUPPRESS,
+                     help="the synthetic MQAR task instead of a corpus")  # fmt: skip
+    for name, kind, text in (
+        ("max_bytes", int, "cap on the corpus size"),
+        ("val_fraction", float, "validation share of the corpus"),
+        ("mqar_vocab", int, "MQAR vocabulary"),
+        ("mqar_seq_len", int, "MQAR sequence length"),
+        ("mqar_kv_pairs", int, "MQAR key-value pairs per sequence"),
+        ("mqar_train", int, "MQAR training examples"),
+        ("mqar_val", int, "MQAR validation examples"),
+    ):
+        data.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
+                          help=f"{text} (default: {DATA[name]!r})")  # fmt: skip
+    model = p.add_argument_group("model (polysketch.nn.TransformerConfig)")
+    add_config_flags(model, TransformerConfig, skip=_MODEL_SKIP)
+    model.add_argument("--map-kw", action="append", metavar="KEY=VALUE", dest="map_kw",
+                       default=argparse.SUPPRESS, help="feature-map keyword (repeat)")  # fmt: skip
+    opt = p.add_argument_group("training (polysketch.train.TrainConfig)")
+    add_config_flags(opt, TrainConfig, skip=_TRAIN_SKIP, options=_TRAIN_OPTIONS)
     opt.add_argument(
-        "--warmup-steps", type=int, default=None,
-        help=f"linear warmup steps (default: 10%% of --steps, at most {tdef.warmup_steps})",
-    )  # fmt: skip
-    opt.add_argument("--weight-decay", type=float, default=tdef.weight_decay)
-    opt.add_argument("--grad-clip", type=float, default=tdef.grad_clip)
-    opt.add_argument("--grad-accum", type=int, default=tdef.grad_accum)
-    opt.add_argument("--amp", choices=["bf16"], default=None)
-    opt.add_argument("--seed", type=int, default=tdef.seed, help="model, feature maps, data")
-    opt.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    opt.add_argument(
-        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-        help="torch.compile the model (backend: inductor when the flag is given alone)",
-    )  # fmt: skip
-    opt.add_argument(
-        "--cp", type=int, default=tdef.cp, metavar="C",
-        help="context parallelism: each sequence split over C processes (torchrun; dp = N / C)",
-    )  # fmt: skip
-    opt.add_argument(
-        "--fsdp", action="store_true",
-        help="FSDP2: shard parameters, gradients and optimizer state over all processes",
-    )  # fmt: skip
-    opt.add_argument(
-        "--warm-start-steps",
+        "--seed",
         type=int,
-        default=tdef.warm_start_steps,
-        help="train the first N steps with exact polynomial attention, then the sketch",
+        default=argparse.SUPPRESS,
+        help="seed of the model, its feature maps and the data (default: 0)",
     )
-
-    out = _Recorded(p.add_argument_group("output"))
+    out = p.add_argument_group("output")
     out.add_argument(
         "--out", default="runs/train",
         help="folder for metrics and ckpt.pt (refused if not empty, unless --resume or "
-        "--overwrite)",
+        "--overwrite) (default: runs/train)",
     )  # fmt: skip
     out.add_argument(
         "--resume", action="store_true",
         help="continue from OUT/ckpt.pt (its configs win: model, data and optimization flags "
-        "are ignored, with a warning; --steps, --device, --compile, --cp, --fsdp apply)",
+        "are ignored, with a warning; " + ", ".join(f"--{f}" for f in RESUME_OVERRIDES) + " apply)",
     )  # fmt: skip
     out.add_argument(
         "--overwrite", action="store_true",
         help="train into a non-empty --out, replacing the run there (its ckpt.pt and metrics)",
     )  # fmt: skip
-    out.add_argument("--eval-interval", type=int, default=tdef.eval_interval)
-    out.add_argument("--eval-batches", type=int, default=tdef.eval_batches)
-    out.add_argument("--log-interval", type=int, default=tdef.log_interval)
-    out.add_argument("--checkpoint-interval", type=int, default=None, help="default: at end")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
 
 
+def _model_flags() -> list[str]:
+    return [f.name for f in fields(TransformerConfig) if f.name not in _MODEL_SKIP]
+
+
+def _train_flags() -> list[str]:
+    return [f.name for f in fields(TrainConfig) if f.name not in _TRAIN_SKIP]
+
+
+def given_options(args) -> dict[str, str]:
+    """{dest: flag} of the data, model and training options the user typed."""
+    names = [*DATA, *_model_flags(), *_train_flags(), "map_kw", "seed"]
+    out = {}
+    for name, value in given(args, names).items():
+        flag = name.replace("_", "-")
+        out[name] = f"--no-{flag}" if value is False else f"--{flag}"  # --x / --no-x
+    return out
+
+
 def _configs_from_args(args):
-    if args.attention not in valid_model_attentions():
+    file = {"data": {}, "model": {}, "train": {}}
+    if args.config is not None:
+        keys = {"data": list(DATA), "model": [*_model_flags(), "map_kwargs", "seed"],
+                "train": [*_train_flags(), "seed"]}  # fmt: skip
+        file = read_config(args.config, keys)
+    data = {**DATA, **file["data"], **given(args, DATA)}
+    model = {k: v for k, v in file["model"].items() if k not in ("map_kwargs", "seed")}
+    model |= given(args, _model_flags())
+    opts = {k: v for k, v in file["train"].items() if k != "seed"} | given(args, _train_flags())
+    seed = getattr(args, "seed", file["model"].get("seed", file["train"].get("seed", 0)))
+    map_kwargs = dict(file["model"].get("map_kwargs", {}))
+    map_kwargs.update(parse_key_values(getattr(args, "map_kw", None), "--map-kw"))
+    attention = model.get("attention", TransformerConfig.attention)
+    if attention not in valid_model_attentions():
         raise ValueError(
-            f"--attention must be one of {valid_model_attentions()}, got {args.attention!r}"
+            f"--attention must be one of {valid_model_attentions()}, got {attention!r}"
         )
-    if args.task == "mqar":
-        source = {"task": "mqar", "vocab_size": args.mqar_vocab, "seq_len": args.mqar_seq_len,
-                  "num_kv_pairs": args.mqar_kv_pairs, "num_train": args.mqar_train,
-                  "num_val": args.mqar_val}  # fmt: skip
-        vocab, block = args.mqar_vocab, args.mqar_seq_len
+    if data["task"] == "mqar":
+        source = {"task": "mqar", "vocab_size": data["mqar_vocab"],
+                  "seq_len": data["mqar_seq_len"], "num_kv_pairs": data["mqar_kv_pairs"],
+                  "num_train": data["mqar_train"], "num_val": data["mqar_val"]}  # fmt: skip
+        model["vocab_size"], model["block_size"] = data["mqar_vocab"], data["mqar_seq_len"]
+    elif data["task"] is None:
+        source = {
+            "task": "corpus",
+            "corpus": str(data["corpus"]),
+            "max_bytes": data["max_bytes"],
+            "val_fraction": data["val_fraction"],
+        }
+        model["vocab_size"] = 256
     else:
-        source = {"task": "corpus", "corpus": str(args.corpus), "max_bytes": args.max_bytes,
-                  "val_fraction": args.val_fraction}  # fmt: skip
-        vocab, block = 256, args.block_size
-    model_config = TransformerConfig(
-        vocab_size=vocab,
-        block_size=block,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        attention=args.attention,
-        map_kwargs=parse_key_values(args.map_kw, "--map-kw"),
-        chunk_size=args.chunk_size,
-        rope=not args.no_rope,
-        qk_dim=args.qk_dim,
-        value_dim=args.value_dim,
-        short_conv=args.short_conv,
-        window=args.window,
-        local_window=args.local_window,
-        local_shared=args.local_shared,
-        global_heads=args.global_heads,
-        global_every=args.global_every,
-        global_rope=False if args.no_global_rope else None,
-        gradient_surrogate=args.gradient_surrogate,
-        dropout=args.dropout,
-        seed=args.seed,
-    ).validate()
-    steps = args.steps if args.steps is not None else TrainConfig.steps
-    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup(steps)
-    train_config = TrainConfig(
-        steps=steps,
-        batch_size=args.batch_size,
-        block_size=block,
-        lr=args.lr,
-        min_lr=min(args.min_lr, args.lr),
-        warmup_steps=warmup,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        grad_accum=args.grad_accum,
-        eval_interval=args.eval_interval,
-        eval_batches=args.eval_batches,
-        log_interval=args.log_interval,
-        amp=args.amp,
-        seed=args.seed,
-        out_dir=str(args.out),
-        checkpoint_interval=args.checkpoint_interval,
-        device=args.device,
-        compile=args.compile,
-        warm_start_steps=args.warm_start_steps,
-        cp=args.cp,
-        fsdp=args.fsdp,
-        pack=args.pack,
-    ).validate()
+        raise ValueError(f"[data] task must be mqar or absent, got {data['task']!r}")
+    model_config = TransformerConfig(**model, map_kwargs=map_kwargs, seed=seed).validate()
+    steps = opts.setdefault("steps", TrainConfig.steps)
+    opts.setdefault("warmup_steps", default_warmup(steps))
+    opts["min_lr"] = min(opts.get("min_lr", TrainConfig.min_lr), opts.get("lr", TrainConfig.lr))
+    if "betas" in opts:
+        opts["betas"] = tuple(opts["betas"])
+    train_config = TrainConfig(**opts, block_size=model_config.block_size, seed=seed,
+                               out_dir=str(args.out)).validate()  # fmt: skip
     if train_config.warm_start_steps:
         TransformerLM(model_config).set_exact_attention(True)  # fail early: nothing to switch
     return model_config, train_config, source
@@ -307,6 +202,9 @@ def _configs_from_args(args):
 
 def _configs_from_checkpoint(args):
     path = Path(args.out) / CHECKPOINT_NAME
+    if args.config is not None:
+        raise ValueError("--config and --resume exclude each other: a resumed run takes its "
+                         "configs from its checkpoint")  # fmt: skip
     state = load_checkpoint(path, restore_rng=False)
     try:
         model_config = TransformerConfig(**state["model_config"]).validate()
@@ -321,15 +219,15 @@ def _configs_from_checkpoint(args):
             f"version ({type(err).__name__}: {err})"
         ) from None
     tc["out_dir"] = str(args.out)
-    if args.steps is not None:
-        tc["steps"] = args.steps
-    if args.device is not None:
-        tc["device"] = args.device
-    if args.compile is not None:
-        tc["compile"] = args.compile
-    tc["cp"], tc["fsdp"] = args.cp, args.fsdp  # the layout is this launch's, not the run's
+    tc |= given(args, ("steps", "device", "compile"))
+    tc["cp"], tc["fsdp"] = getattr(args, "cp", 1), getattr(args, "fsdp", False)  # this launch's
+    if "betas" in tc:
+        tc["betas"] = tuple(tc["betas"])
     train_config = TrainConfig(**tc).validate()
-    check_device(train_config.device, "--device" if args.device else "--device (the checkpoint's)")
+    check_device(
+        train_config.device,
+        "--device" if hasattr(args, "device") else "--device (the checkpoint's)",
+    )
     _warn_ignored(args, state)
     return model_config, train_config, source
 
@@ -337,10 +235,9 @@ def _configs_from_checkpoint(args):
 def _warn_ignored(args, state: dict) -> None:
     """One warning line per option given with --resume that the checkpoint's config overrides."""
     configs = {**state.get("train_config", {}), **state.get("model_config", {})}
-    configs["rope"] = state.get("model_config", {}).get("rope")
-    aliases = {"no_rope": "rope", "no_global_rope": "global_rope", "map_kw": "map_kwargs"}
-    for dest, flag in (args.given or {}).items():
-        if dest in RESUME_FLAGS:
+    aliases = {"map_kw": "map_kwargs"}
+    for dest, flag in given_options(args).items():
+        if dest in RESUME_OVERRIDES:
             continue
         key = aliases.get(dest, dest)
         if key in configs:
@@ -407,26 +304,14 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--out {out} is a file, not a folder: choose another --out")
             model_config, train_config, source = _configs_from_checkpoint(args)
         else:
-            check_device(args.device)
+            check_device(getattr(args, "device", None))
             model_config, train_config, source = _configs_from_args(args)
             has_run = (out / CHECKPOINT_NAME).is_file()
             hint = ", --resume to continue the run there" if has_run else ""
             prepare_out_dir(out, overwrite=args.overwrite, hint=hint)  # every rank refuses
             if args.overwrite and int(os.environ.get("RANK", "0")) == 0:  # rank 0 owns --out
                 _replace_previous_run(out)
-        # fail before loading data when the batch or the sequence cannot be split over ranks
-        check_cp_model(model_config, train_config.cp, pack=train_config.pack)
-        world = env_world_size()
-        if train_config.cp > 1 and world % train_config.cp:
-            raise ValueError(
-                f"--cp {train_config.cp} must divide the number of processes ({world}): launch "
-                f"with torchrun --nproc-per-node N, N a multiple of {train_config.cp}"
-            )
-        if train_config.fsdp and world == 1:
-            raise ValueError("--fsdp needs several processes: launch with torchrun "
-                             "--nproc-per-node N (N >= 2)")  # fmt: skip
-        dp = max(world // train_config.cp, 1)
-        rank_slice(train_config.batch_size, dp, 0, train_config.grad_accum)
+        check_launch(model_config, train_config)  # before loading data
         data = load_data(source)
         main_rank = int(os.environ.get("RANK", "0")) == 0
         if main_rank:

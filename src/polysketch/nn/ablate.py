@@ -60,7 +60,7 @@ def ablate_global(model: nn.Module):
     Raises ValueError if ``model`` has neither (nothing would be ablated: linear attention is
     all global, softmax and polynomial have no separate global part).
     """
-    cores, blocks = global_cores(model), global_parts(model)[len(global_cores(model)):]
+    cores, blocks = global_cores(model), global_parts(model)[len(global_cores(model)) :]
     if not cores and not blocks:
         raise ValueError(
             "model has no attention with a separate global part (no mixed attention, "

@@ -174,8 +174,15 @@ def as_spec(attention, head_dim: int, map_kwargs: dict | None = None, **options)
     already (then no option may be given beside it: they are part of the spec)."""
     if not isinstance(attention, AttentionSpec):
         return resolve_attention(attention, head_dim, map_kwargs, **options)
-    defaults = {"qk_norm": None, "denominator_offset": None, "mixed": False, "window": None,
-                "learn_balance": False, "gradient_surrogate": 0.0, "softmax_scale": None}
+    defaults = {
+        "qk_norm": None,
+        "denominator_offset": None,
+        "mixed": False,
+        "window": None,
+        "learn_balance": False,
+        "gradient_surrogate": 0.0,
+        "softmax_scale": None,
+    }
     given = sorted(k for k, v in options.items() if v != defaults.get(k, object()))
     given += sorted(map_kwargs or {})
     if given:
@@ -280,8 +287,10 @@ def resolve_model(config) -> ModelSpec:
         mixed=config.mixed, window=config.window, learn_balance=config.learn_balance,
         gradient_surrogate=lam,
     )  # fmt: skip
-    if attention.form == "mixed" and attention.local == "none" and (
-        window is None or window < config.chunk_size
+    if (
+        attention.form == "mixed"
+        and attention.local == "none"
+        and (window is None or window < config.chunk_size)
     ):
         raise ValueError(
             f"attention={name!r} reads only the blocks of chunk_size={config.chunk_size} "

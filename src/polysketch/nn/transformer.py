@@ -21,13 +21,14 @@ each row generates what it generates alone (``polysketch.nn.padding``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_float, check_int, check_positive_int
+from .._fields import documented
 from ..random import make_generator
 from .attention import KernelAttention
 from .cache import ParallelCache
@@ -43,32 +44,67 @@ __all__ = ["TransformerConfig", "TransformerLM", "GLU"]
 class TransformerConfig:
     """Model hyperparameters (see the module docstring)."""
 
-    vocab_size: int = 256
-    block_size: int = 256  # max sequence length for training (RoPE has no hard limit)
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    attention: str = "polysketch"  # feature-map name, "softmax", "polynomial", a (model) preset
-    map_kwargs: dict = field(default_factory=dict)  # passed to the feature map(s)
-    chunk_size: int = 64
-    rope: bool = True
-    ffn_hidden: int | None = None  # GLU hidden size; default ≈ 8/3 · n_embd rounded to 8
-    dropout: float = 0.0
-    seed: int = 0  # base seed of the feature maps' random buffers
-    tie_embeddings: bool = True
-    qk_dim: int | None = None  # per-head query/key size (default n_embd / n_head; BASED: 16)
-    value_dim: int | None = None  # per-head value size of the attention (default n_embd / heads)
-    short_conv: int = 0  # kernel size of the short convolution on q, k, v (0 = off)
-    qk_norm: bool | None = None  # LayerNorm on q and k; None: the attention's default
-    mixed: bool = False  # mixed attention with the feature map `attention` (psf_mixed's form)
-    learn_balance: bool = False  # mixed: learned per-head far-block weight (nn.core)
-    gradient_surrogate: float | None = None  # local="none": training-only gradient (nn.core)
-    window: int | None = None  # attention="sliding_window": keys each query sees
-    local_window: int | None = None  # a parallel sliding-window softmax branch (see Block)
-    local_shared: bool | None = None  # that branch uses the attention's projections (Block)
-    global_heads: int | None = None  # heads of the attention beside that branch (Block)
-    global_every: int | None = None  # only every k-th layer has the global branch (Block)
-    global_rope: bool | None = None  # RoPE on the global branch's q/k beside a window (Block)
+    vocab_size: int = documented(256, help="tokens of the vocabulary (bytes: 256)")
+    block_size: int = documented(256, help="sequence length of training (RoPE has no hard limit)")
+    n_layer: int = documented(4, help="layers")
+    n_head: int = documented(4, help="heads (of the window branch beside a global attention)")
+    n_embd: int = documented(128, help="width of the residual stream")
+    attention: str = documented(
+        "polysketch", help="a feature-map name, softmax, polynomial, a preset or a model preset "
+        "(polysketch.nn.valid_model_attentions())",
+    )  # fmt: skip
+    map_kwargs: dict = documented(default_factory=dict, help="keywords of the feature map")
+    chunk_size: int = documented(64, help="block of the chunked algorithm and of mixed blocks")
+    rope: bool = documented(True, help="rotary position embeddings on q and k")
+    ffn_hidden: int | None = documented(
+        None, help="hidden size of the GLU feed-forward (default ≈ 8/3 · n_embd, a multiple of 8)"
+    )
+    dropout: float = documented(0.0, help="dropout probability")
+    seed: int = documented(0, help="seed of the weights and the feature maps' random buffers")
+    tie_embeddings: bool = documented(True, help="the output layer is the token embedding")
+    qk_dim: int | None = documented(
+        None, help="per-head query/key size (default: the head dim; BASED: 16)"
+    )
+    value_dim: int | None = documented(
+        None, help="per-head value size of the attention (default: n_embd / its heads)"
+    )
+    short_conv: int = documented(
+        0, help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off"
+    )
+    qk_norm: bool | None = documented(None, help="LayerNorm on q and k (default: the attention's)")
+    mixed: bool = documented(
+        False, help="mixed attention with the feature map (exact local blocks, psf_mixed's form)"
+    )
+    learn_balance: bool = documented(
+        False, help="mixed attention: a learned per-head weight of the far blocks"
+    )
+    gradient_surrogate: float | None = documented(
+        None, help="λ of the training-only surrogate gradient of attention without in-block "
+        "scores (soft_hash_far; exactly 0 in value; default: the model preset's, else 0)",
+    )  # fmt: skip
+    window: int | None = documented(
+        None, help="keys each query sees with attention=sliding_window (itself included)"
+    )
+    local_window: int | None = documented(
+        None, help="an exact sliding-window softmax branch over the last W tokens beside the "
+        "attention in every layer (own projections and normalizer; BASED's local + global)",
+    )  # fmt: skip
+    local_shared: bool | None = documented(
+        None, help="the window branch reads the attention's q/k/v and output projections "
+        "(default: the model preset's, else its own)",
+    )  # fmt: skip
+    global_heads: int | None = documented(
+        None, help="heads of the attention beside the window branch (q/k of the model's head "
+        "dim; default: the model preset's, else n_head)",
+    )  # fmt: skip
+    global_every: int | None = documented(
+        None, help="only every K-th layer (K-1, 2K-1, ...) has the attention beside the window "
+        "branch; the others are the window alone (default: every layer)",
+    )  # fmt: skip
+    global_rope: bool | None = documented(
+        None, help="RoPE on the q/k of the attention beside the window branch (default: the "
+        "model preset's, else as the model)",
+    )  # fmt: skip
 
     def resolve(self) -> ModelSpec:
         """Validate the config (``validate``) and resolve its attention, once, into a

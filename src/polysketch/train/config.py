@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, check_float, check_int, check_positive_int
+from .._fields import documented
 
 __all__ = ["TrainConfig"]
 
@@ -27,29 +28,37 @@ class TrainConfig:
     ``cp`` > 1 (context parallelism) and ``fsdp`` (FSDP2) run under torchrun on a
     ``dp × cp`` mesh (``polysketch.train.mesh``)."""
 
-    steps: int = 1000
-    batch_size: int = 16
-    block_size: int | None = None
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    eval_interval: int | None = 250
-    eval_batches: int = 8
-    log_interval: int = 10
-    amp: str | None = None
-    seed: int = 0
-    out_dir: str | None = None
-    checkpoint_interval: int | None = None
-    device: str | None = None
-    compile: str | None = None
-    warm_start_steps: int = 0  # exact polynomial attention for the first N steps (nn.warm_start)
-    cp: int = 1  # context-parallel ranks per sequence (train.mesh; dp = processes / cp)
-    fsdp: bool = False  # FSDP2: parameters sharded over all ranks (train.mesh)
-    pack: bool = False  # rows packed into one with document boundaries (batches.pack_rows)
+    steps: int = documented(1000, help="optimizer steps of the run (a resumed run continues "
+                            "up to it)")  # fmt: skip
+    batch_size: int = documented(16, help="global batch: sequences per step, over all ranks "
+                                 "and micro-batches")  # fmt: skip
+    block_size: int | None = documented(None, help="tokens per sequence (default: the model's)")
+    lr: float = documented(1e-3, help="peak learning rate (AdamW)")
+    min_lr: float = documented(1e-4, help="learning rate at the end of the cosine decay")
+    warmup_steps: int = documented(100, help="linear warmup steps")
+    weight_decay: float = documented(0.1, help="AdamW weight decay (matrices only)")
+    betas: tuple[float, float] = documented((0.9, 0.95), help="AdamW betas")
+    grad_clip: float = documented(1.0, help="gradient norm clipping; 0 = off")
+    grad_accum: int = documented(1, help="micro-batches per step")
+    eval_interval: int | None = documented(250, help="steps between evaluations (None: the end)")
+    eval_batches: int = documented(8, help="batches per evaluation")
+    log_interval: int = documented(10, help="steps between metric rows")
+    amp: str | None = documented(None, help="bf16: forward passes under torch.autocast(bf16)")
+    seed: int = documented(0, help="seed of the data order and of dropout")
+    out_dir: str | None = documented(None, help="folder of the metrics and the checkpoint")
+    checkpoint_interval: int | None = documented(None, help="steps between checkpoints "
+                                                 "(None: at the end)")  # fmt: skip
+    device: str | None = documented(None, help="cpu, cuda, ... (default: cuda if available)")
+    compile: str | None = documented(None, help="torch.compile backend of the model "
+                                     "(inductor, aot_eager; None: eager)")  # fmt: skip
+    warm_start_steps: int = documented(0, help="train the first N steps with exact polynomial "
+                                       "attention, then the sketch (nn.warm_start)")  # fmt: skip
+    cp: int = documented(1, help="context parallelism: each sequence split over C processes "
+                         "(torchrun; dp = processes / C)")  # fmt: skip
+    fsdp: bool = documented(False, help="FSDP2: parameters, gradients and optimizer state "
+                            "sharded over all processes")  # fmt: skip
+    pack: bool = documented(False, help="pack each micro-batch into one row of documents, each "
+                            "computed alone (linear attentions only)")  # fmt: skip
 
     def validate(self) -> TrainConfig:
         """Raise ValueError/TypeError naming the bad field; return self."""

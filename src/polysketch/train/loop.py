@@ -391,6 +391,16 @@ def header_lines(run: _Run, ctx, block_size: int, layout: Layout) -> list[str]:
     ]
 
 
+def check_launch(model_config: TransformerConfig, cfg: TrainConfig) -> None:
+    """Refuse (ValueError) a run this launch cannot split: a model without a context-parallel
+    op for ``cfg.cp`` / ``cfg.pack``, ``cp`` not dividing the processes, FSDP on one process,
+    a batch that does not split over the data-parallel ranks and micro-batches. Before any
+    data or process group (``train`` and ``polysketch train`` call it)."""
+    mesh.check_cp_model(model_config, cfg.cp, pack=cfg.pack)
+    dp = mesh.check_launch(distributed.env_world_size(), cp=cfg.cp, fsdp=cfg.fsdp)
+    distributed.rank_slice(cfg.batch_size, max(dp, 1), 0, cfg.grad_accum)
+
+
 def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
     """``train``'s arguments checked (TypeError/ValueError naming the bad one); the config."""
     if not isinstance(model_config, TransformerConfig):
@@ -406,16 +416,9 @@ def _checked(model_config, train_config, data, stop_after) -> TrainConfig:
             f"vocab_size of the model ({model_config.vocab_size}) is smaller than the data's "
             f"({data.vocab_size})"
         )
-    world = distributed.env_world_size()
-    mesh.check_cp_model(model_config, cfg.cp, pack=cfg.pack)  # before any work
+    check_launch(model_config, cfg)  # before any work
     if cfg.pack:
         pack_separator(data)
-    if cfg.cp > 1 and world % cfg.cp:
-        raise ValueError(
-            f"cp={cfg.cp} must divide the number of processes ({world}); launch with torchrun "
-            f"--nproc-per-node N, N a multiple of {cfg.cp} (dp = N / cp)"
-        )
-    distributed.rank_slice(cfg.batch_size, max(world // cfg.cp, 1), 0, cfg.grad_accum)
     if stop_after is not None:
         check_positive_int(stop_after, "stop_after")
     return cfg

@@ -90,26 +90,31 @@ def check_cp_model(model_config, cp: int, *, pack: bool = False) -> None:
             check_core_on_shard(core, probe)
 
 
-def make_layout(ctx: DistContext, *, cp: int = 1, fsdp: bool = False) -> Layout:
-    """The ``Layout`` of this rank; builds the meshes (a collective: every rank calls it).
-
-    Raises ValueError naming ``cp`` when it does not divide the number of processes (e.g.
-    ``--cp 2`` without ``torchrun --nproc-per-node 2``).
-    """
+def check_launch(world_size: int, *, cp: int = 1, fsdp: bool = False) -> int:
+    """dp, the data-parallel ranks of a launch of ``world_size`` processes; ValueError naming
+    ``cp`` when it does not divide them (``--cp 2`` without ``torchrun --nproc-per-node 2``)
+    and ``fsdp`` on one process. The one check of a launch's layout: ``train`` and the CLI
+    call it before any data or process group."""
     cp = check_positive_int(cp, "cp")
-    if ctx.world_size % cp:
+    if world_size % cp:
         raise ValueError(
-            f"cp={cp} must divide the number of processes ({ctx.world_size}); launch with "
+            f"cp={cp} must divide the number of processes ({world_size}); launch with "
             f"torchrun --nproc-per-node N, N a multiple of {cp} (dp = N / cp)"
         )
-    dp = ctx.world_size // cp
-    if cp == 1 and not fsdp:
-        return Layout(dp=dp, dp_rank=ctx.rank)
-    if ctx.world_size == 1:
+    if fsdp and world_size == 1:
         raise ValueError(
             "fsdp: sharding parameters needs several processes: launch with torchrun "
             "--nproc-per-node N (N >= 2)"
         )
+    return world_size // cp
+
+
+def make_layout(ctx: DistContext, *, cp: int = 1, fsdp: bool = False) -> Layout:
+    """The ``Layout`` of this rank; builds the meshes (a collective: every rank calls it).
+    Raises ValueError as ``check_launch``."""
+    dp = check_launch(ctx.world_size, cp=cp, fsdp=fsdp)
+    if cp == 1 and not fsdp:
+        return Layout(dp=dp, dp_rank=ctx.rank)
     from torch.distributed.device_mesh import init_device_mesh
 
     device = ctx.device.type
