@@ -146,7 +146,7 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     with pytest.raises(ValueError, match="mixed"):
         convert(model, "softmax", mixed=True)
-    with pytest.raises(ValueError, match="window beside it"):  # it sees none of its own block
+    with pytest.raises(ValueError, match="window of >= chunk_size"):  # none of its own block
         convert(model, "soft_hash_far")
 
 

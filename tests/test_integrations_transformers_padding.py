@@ -90,18 +90,22 @@ def test_left_padded_forward_equals_each_row_alone(attention, kw):
 
 
 # ----- a plain forward without position_ids (issue 43 item 3) -----------------------------
-# Every attention ``convert`` accepts that has a preset (soft_hash_far is refused), on a RoPE
-# family and on GPT-2 (learned absolute positions): the caller passes only the mask.
+# Every preset and model preset (soft_hash_far with the window it needs beside it, issue 43
+# item 1), on a RoPE family and on GPT-2 (learned absolute positions): the caller passes only
+# the mask.
 PRESET_SETTINGS = [
     ("psf_random", {}),
     ("psf_learned", {}),
     ("psf_mixed", {}),
     ("polynomial", {}),
     ("soft_hash_1k", {}),
+    ("soft_hash_far", {"local_window": 64}),
     ("softmax", {}),
     ("sliding_window", {"window": 24}),
     ("hedgehog", {}),
     ("positive", {"mixed": True}),
+    ("soft_hash_local", {}),
+    ("soft_hash_far_local", {}),
 ]
 PRESET_IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in PRESET_SETTINGS]
 
@@ -112,11 +116,10 @@ def _tiny(family):
     return tiny(family, vocab=V)
 
 
-def test_every_convertible_preset_is_in_the_list():
-    from polysketch.nn.presets import PRESETS
+def test_every_preset_is_in_the_list():
+    from polysketch.nn.presets import MODEL_PRESETS, PRESETS
 
-    refused = {"soft_hash_far"}  # reads no local window: convert refuses it
-    assert set(PRESETS) - refused <= {a for a, _ in PRESET_SETTINGS}
+    assert set(PRESETS) | set(MODEL_PRESETS) <= {a for a, _ in PRESET_SETTINGS}
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])

@@ -2,7 +2,8 @@
 
 Loads ``--model`` (a directory written by ``save_pretrained``) with transformers'
 ``from_pretrained``, converts its attention (``--attention``: a preset such as ``psf_mixed``,
-or any feature-map name), trains the added modules to match each layer's softmax outputs on
+any feature-map name, or a model preset such as ``soft_hash_far_local``, its attention beside
+an exact sliding window), trains the added modules to match each layer's softmax outputs on
 ``--data`` (attention transfer), fine-tunes on the LM loss (LoRA through peft, or full), and
 reports the validation loss / perplexity of the original, after conversion, after stage 1
 and after stage 2, with the decode-state size against the KV cache. Writes into ``--out``
@@ -28,7 +29,7 @@ from ..eval.linearize_report import (
     write_json,
     write_results,
 )
-from ..nn import valid_attentions
+from ..nn import valid_model_attentions
 from ._common import fail, io_error, prepare_out_dir
 
 # write_csv, write_json, plot_results: re-exported from polysketch.eval.linearize_report for
@@ -45,8 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", required=True, help="directory written by save_pretrained")
-    p.add_argument("--attention", default="psf_mixed", choices=valid_attentions(), metavar="NAME",
-                   help="preset or feature-map name")  # fmt: skip
+    p.add_argument("--attention", default="psf_mixed", choices=valid_model_attentions(),
+                   metavar="NAME",
+                   help="attention preset, feature-map name or model preset (soft_hash_far_local: "
+                   "its attention beside an exact sliding window in every layer)")  # fmt: skip
     p.add_argument("--data", default="shakespeare", help="shakespeare, stdlib or a text path")
     p.add_argument(
         "--out", type=Path, default=Path("linearize-out"),
@@ -77,7 +80,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "checked against the model before any work",
     )  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=argparse.SUPPRESS,
+                   help="block of the chunked and mixed forms (default: a model preset's own, "
+                   "else 64)")  # fmt: skip
+    p.add_argument("--local-window", type=int, default=argparse.SUPPRESS, metavar="W",
+                   help="an exact sliding-window softmax branch over the last W keys beside the "
+                   "attention (default: a model preset's own, else none; soft_hash_far needs "
+                   "one >= --chunk-size)")  # fmt: skip
+    p.add_argument("--global-heads", type=int, default=argparse.SUPPRESS, metavar="G",
+                   help="with a window branch, the attention runs on the first G query heads "
+                   "only (default: every head)")  # fmt: skip
     p.add_argument("--map-kw", action="append", metavar="KEY=VALUE", help="feature-map keyword")
     p.add_argument(
         "--mixed",
@@ -139,9 +151,13 @@ def run(args: argparse.Namespace) -> int:
             finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
             eval_batches=args.eval_batches, seed=args.seed, progress=not args.no_progress,
         )  # fmt: skip
+        for flag in ("local_window", "global_heads"):
+            if hasattr(args, flag):
+                map_kwargs[flag] = getattr(args, flag)
         res = linearize_saved(
             args.model, args.attention, args.data, config=config, save_to=out / "model",
-            chunk_size=args.chunk_size, max_bytes=args.max_bytes, **map_kwargs,
+            chunk_size=getattr(args, "chunk_size", None), max_bytes=args.max_bytes,
+            **map_kwargs,
         )  # fmt: skip
         write_results([res], out)
     except OSError as err:

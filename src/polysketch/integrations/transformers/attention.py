@@ -51,8 +51,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..._checks import check_int, check_positive_int
+from ...nn.cache import ParallelCache
 from ...nn.core import AttentionCore
-from ...nn.resolve import as_spec
+from ...nn.resolve import as_spec, resolve_attention
 from ...nn.spec import AttentionSpec
 
 __all__ = ["ATTENTION_NAME", "PolysketchAttention", "polysketch_attention_forward"]
@@ -86,7 +87,19 @@ class PolysketchAttention(AttentionCore):
             ``qk_norm`` / ``denominator_offset`` of None become psf_mixed's (LayerNorm on q
             and k, 1 + Σ): the exact local polynomial needs normalized q, k.
         learn_balance, window: as ``AttentionCore``.
+        gradient_surrogate: λ of the training-only surrogate gradient (``AttentionCore``;
+            attentions without in-block scores only, e.g. soft_hash_far).
+        local_window: w > 0 adds an exact sliding-window softmax branch over the last w keys
+            (the model's ``scaling``) on every query head, summed with this attention
+            (``hybrid``: the model presets' form in a converted layer); None: no branch.
+        global_heads: with ``local_window``, this attention runs on query heads 0..g-1 only
+            (None: every head); the window runs on all of them.
         **map_kwargs: keywords of the feature map.
+
+    With a window the output of query head h is W_h + G_h (G_h = 0 for h >= g), the q/k
+    LayerNorm acting on the global branch only; ``new_state`` is then a
+    ``polysketch.nn.cache.ParallelCache`` (``far``: this attention's, ``local``: the window's)
+    and ``decode_state_size`` counts both.
     """
 
     def __init__(
@@ -104,19 +117,43 @@ class PolysketchAttention(AttentionCore):
         mixed: bool = False,
         learn_balance: bool = False,
         window: int | None = None,
+        gradient_surrogate: float = 0.0,
+        local_window: int | None = None,
+        global_heads: int | None = None,
         **map_kwargs,
     ):
         head_dim = check_positive_int(head_dim, "head_dim")
+        num_heads = check_positive_int(num_heads, "num_heads")
+        layer_index = check_int(layer_index, "layer_index", minimum=0)
         spec = as_spec(
             attention, head_dim, map_kwargs, qk_norm=qk_norm,
             denominator_offset=denominator_offset, mixed=mixed, window=window,
-            learn_balance=learn_balance,
+            learn_balance=learn_balance, gradient_surrogate=gradient_surrogate,
             softmax_scale=None if isinstance(attention, AttentionSpec) else float(scaling),
         )  # fmt: skip
+        heads = num_heads
+        if global_heads is not None:
+            if local_window is None:
+                raise ValueError("global_heads needs local_window (a window branch beside it)")
+            heads = check_positive_int(global_heads, "global_heads")
+            if heads > num_heads:
+                raise ValueError(f"global_heads={heads} > the model's {num_heads} query heads")
         super().__init__(
-            spec, qk_dim=head_dim, num_heads=num_heads, causal=True, chunk_size=chunk_size,
-            seed=seed, layer_index=check_int(layer_index, "layer_index", minimum=0),
+            spec, qk_dim=head_dim, num_heads=heads, causal=True, chunk_size=chunk_size,
+            seed=seed, layer_index=layer_index,
         )  # fmt: skip
+        self.total_heads = num_heads  # the model's query heads (num_heads: the global ones)
+        self.local_attn = None  # the window branch (see hybrid)
+        if local_window is not None:
+            if self.form in ("softmax", "polynomial", "window"):
+                raise ValueError(f"local_window adds a window beside a linear-time attention, "
+                                 f"not beside attention={self.attention!r}")  # fmt: skip
+            local = resolve_attention("sliding_window", head_dim, window=local_window,
+                                      softmax_scale=float(scaling))  # fmt: skip
+            self.local_attn = AttentionCore(
+                local, qk_dim=head_dim, num_heads=num_heads, causal=True,
+                chunk_size=chunk_size, seed=seed, layer_index=layer_index,
+            )  # fmt: skip
         self.head_dim = self.qk_dim
         self.q_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
         self.k_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
@@ -133,11 +170,28 @@ class PolysketchAttention(AttentionCore):
         instead of transformers' KV cache (softmax, polynomial: a ``DynamicCache``)."""
         return self.form in ("linear", "mixed", "window")
 
+    @property
+    def local_window(self) -> int | None:
+        """w of the window branch beside this attention, or None."""
+        return None if self.local_attn is None else self.local_attn.window
+
     def new_state(self):
-        """An empty per-layer decode state (``AttentionCore.new_cache``)."""
+        """An empty per-layer decode state (``AttentionCore.new_cache``; with a window
+        branch a ``ParallelCache`` of both)."""
         if not self.uses_state_cache:
             raise ValueError(f"attention={self.attention!r} decodes from a KV cache, not a state")
-        return self.new_cache()
+        if self.local_attn is None:
+            return self.new_cache()
+        return ParallelCache(self.new_cache(), self.local_attn.new_cache())
+
+    def decode_state_size(self, seq_len: int) -> int:
+        """Floats of the layer's decode state per sequence after ``seq_len`` tokens: the
+        attention's (``AttentionCore.decode_state_size``, its g heads) plus, with a window
+        branch, the window's H·(D + E)·min(t, w)."""
+        size = super().decode_state_size(seq_len)
+        if self.local_attn is not None:
+            size += self.local_attn.decode_state_size(seq_len)
+        return size
 
     def forward(self, q, k, v, *, keep=None, state=None) -> torch.Tensor:
         """q (B, H, Tq, D), k, v (B, H, Tk, D) (heads already repeated) -> (B, H, Tq, D).
@@ -146,12 +200,31 @@ class PolysketchAttention(AttentionCore):
         ``new_state()`` object (decoding; Tk = Tq new tokens) or None (full causal sequence,
         queries aligned with the last keys).
         """
+        near = None
+        if self.local_attn is not None:  # the window branch on the raw (rotated) q, k, v
+            if state is not None and not isinstance(state, ParallelCache):
+                raise TypeError(f"state must be a ParallelCache (new_state()), got "
+                                f"{type(state).__name__}")  # fmt: skip
+            local, state = (None, None) if state is None else (state.local, state.far)
+            near = self.local_attn.attend(q, k, v, keep=keep, cache=local)
+            g = self.num_heads
+            if g < q.shape[1]:
+                q, k, v = q[:, :g], k[:, :g], v[:, :g]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.attend(q, k, v, keep=keep, cache=state)
+        out = self.attend(q, k, v, keep=keep, cache=state)
+        if near is None:
+            return out
+        if out.shape[1] == near.shape[1]:
+            return near + out
+        g = out.shape[1]
+        return torch.cat([near[:, :g] + out, near[:, g:]], dim=1)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", head_dim={self.head_dim}"
+        extra = f", head_dim={self.head_dim}"
+        if self.local_attn is not None:
+            extra += f", local_window={self.local_window}, total_heads={self.total_heads}"
+        return super().extra_repr() + extra
 
 
 def _key_padding(mask, q_len: int, k_len: int) -> torch.Tensor | None:

@@ -11,6 +11,9 @@ consumes at once; the state is
 * mixed attention: ``polysketch.nn.cache.MixedCache`` — N, Z of the completed blocks plus
   the keys, key features and values of the current block (< chunk_size tokens);
 * ``sliding_window``: ``polysketch.nn.cache.WindowCache`` — the last w keys and values;
+* a window branch beside the attention (``local_window``, the model presets:
+  ``hybrid``): ``polysketch.nn.cache.ParallelCache`` — the attention's cache (``far``) and
+  the window's ``WindowCache`` (``local``);
 
 the caches of the one attention core (``AttentionCore.new_cache``).
 
@@ -41,6 +44,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
 )
 
+from ...nn.cache import ParallelCache
 from .attention import PolysketchAttention
 
 __all__ = ["PolysketchCache", "PolysketchCacheLayer", "check_cache"]
@@ -107,21 +111,28 @@ class PolysketchCacheLayer(CacheLayerMixin):
 
     def _rows(self) -> int:
         """The batch size the state holds."""
-        st = self.state
-        for t in (getattr(st, "positions", None), getattr(st, "conv_tail", None),
-                  getattr(getattr(st, "state", None), "numerator", None),
-                  getattr(st, "k", None)):  # fmt: skip
-            if isinstance(t, torch.Tensor):
+        return _state_rows(self.state)
+
+
+def _state_rows(st) -> int:
+    """The batch size a core's cache holds (0 while empty); a ``ParallelCache``: its
+    branches'."""
+    if isinstance(st, ParallelCache):
+        return max(_state_rows(st.far), _state_rows(st.local))
+    for t in (getattr(st, "positions", None), getattr(st, "conv_tail", None),
+              getattr(getattr(st, "state", None), "numerator", None),
+              getattr(st, "k", None)):  # fmt: skip
+        if isinstance(t, torch.Tensor):
+            return t.shape[0]
+    rows = getattr(st, "rows", None)
+    if rows is not None:
+        return len(rows)
+    batch = getattr(st, "batch", None)
+    if batch is not None:
+        for t in (batch.summary, batch.k):
+            if t is not None:
                 return t.shape[0]
-        rows = getattr(st, "rows", None)
-        if rows is not None:
-            return len(rows)
-        batch = getattr(st, "batch", None)
-        if batch is not None:
-            for t in (batch.summary, batch.k):
-                if t is not None:
-                    return t.shape[0]
-        return 0
+    return 0
 
 
 class PolysketchCache(Cache):

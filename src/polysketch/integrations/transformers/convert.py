@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from ..._checks import check_int, check_positive_int
-from ...nn.resolve import resolve_attention, valid_attentions
+from ...nn.resolve import valid_model_attentions
 from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
+from .hybrid import ConvertedAttention, resolve_converted
 from .policies import check_policies, configured_window, install_cache_guards, register
 from .positions import install_position_ids
 
@@ -130,24 +131,25 @@ def _check_settings(
     *,
     learn_balance=False,
     window=None,
+    local_window=None,
+    global_heads=None,
+    gradient_surrogate=None,
     sliding_window="refuse",
     softcap="refuse",
-) -> dict:
+) -> tuple[dict, ConvertedAttention]:
+    """The settings ``convert`` stores (concrete: a model preset's window, block and λ
+    resolved) and what each layer computes (``hybrid.resolve_converted``), checked."""
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
-    if attention not in valid_attentions():
-        raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
-    if _reads_far_blocks_only(attention, mixed, map_kwargs):
-        raise ValueError(
-            f"attention={attention!r} reads only the blocks before each query's own and needs "
-            "an exact window beside it, which a converted layer does not have; convert with "
-            "attention='soft_hash_1k' (every earlier key) or mixed=True (exact local blocks)"
-        )
+    if attention not in valid_model_attentions():
+        raise ValueError(f"attention must be one of {valid_model_attentions()}, got {attention!r}")
     for name, flag in (("mixed", mixed), ("learn_balance", learn_balance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    for name, value in (("window", window), ("local_window", local_window),
+                        ("global_heads", global_heads)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     if qk_norm is not None and not isinstance(qk_norm, bool):
         raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
     if denominator_offset is not None:
@@ -160,43 +162,44 @@ def _check_settings(
         raise TypeError(
             f"map_kwargs must be JSON-serializable (saved in config.json): {err}"
         ) from None
-    return {
+    layer = resolve_converted(
+        attention, chunk_size=chunk_size, local_window=local_window, global_heads=global_heads,
+        gradient_surrogate=gradient_surrogate, mixed=mixed, window=window,
+        map_kwargs=map_kwargs,
+    )  # fmt: skip
+    settings = {
         "attention": attention,
-        "chunk_size": check_positive_int(chunk_size, "chunk_size"),
+        "chunk_size": layer.chunk_size,
         "seed": check_int(seed, "seed", minimum=0),
         "qk_norm": qk_norm,
         "denominator_offset": denominator_offset,
         "mixed": mixed,
         "learn_balance": learn_balance,
         "window": window,
+        "local_window": layer.local_window,
+        "global_heads": layer.global_heads,
+        "gradient_surrogate": layer.gradient_surrogate,
         "sliding_window": sliding_window,
         "softcap": softcap,
         "map_kwargs": dict(map_kwargs),
     }
-
-
-def _reads_far_blocks_only(attention: str, mixed: bool, map_kwargs: dict) -> bool:
-    """Whether ``attention`` resolves to mixed attention without in-block scores (it needs an
-    exact window beside it, which a converted layer does not have). The spec's form does not
-    depend on the head size, so any size resolves it."""
-    try:
-        spec = resolve_attention(attention, 1, map_kwargs, mixed=mixed)
-    except ValueError:  # an invalid combination: refused with its own message later
-        return False
-    return spec.form == "mixed" and spec.local == "none"
+    return settings, layer
 
 
 def convert(
     model: nn.Module,
     attention: str = "psf_mixed",
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     seed: int = 0,
     qk_norm: bool | None = None,
     denominator_offset: float | None = None,
     mixed: bool = False,
     learn_balance: bool = False,
     window: int | None = None,
+    local_window: int | None = None,
+    global_heads: int | None = None,
+    gradient_surrogate: float | None = None,
     sliding_window: str = "refuse",
     softcap: str = "refuse",
     **map_kwargs,
@@ -207,9 +210,13 @@ def convert(
         model: a transformers decoder-only causal LM (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2
             families; others whose attention modules share their shape).
         attention: ``"softmax"`` (the model's own attention, bit-for-bit up to SDPA rounding),
-            ``"polynomial"``, ``psf_random``, ``psf_learned``, ``psf_mixed`` (default), or any
-            ``polysketch.features.available()`` name.
-        chunk_size: block of the chunked algorithm and of psf_mixed's exact local blocks.
+            ``"polynomial"``, ``psf_random``, ``psf_learned``, ``psf_mixed`` (default), the
+            other attention presets (``polysketch.nn.PRESETS``), any
+            ``polysketch.features.available()`` name, or a model preset
+            (``soft_hash_local``, ``soft_hash_far_local``: its attention beside an exact
+            sliding-window softmax branch in every layer, ``hybrid``).
+        chunk_size: block of the chunked algorithm and of the mixed forms' blocks (None: a
+            model preset's own, else 64).
         seed: base seed of the per-layer, per-head feature maps.
         qk_norm: trainable LayerNorm on q and k per head (None: on for polynomial kernels and
             presets, off for softmax and softmax random features, which use the model's
@@ -219,6 +226,14 @@ def convert(
             inside blocks of ``chunk_size``, the map (e.g. a learnable one) for earlier blocks.
         learn_balance: mixed attention's learned per-head balance (``polysketch.nn.core``).
         window: w of ``attention="sliding_window"`` (exact attention over the last w keys).
+        local_window: an exact sliding-window softmax branch over the last w keys beside the
+            attention, outputs summed per head (``hybrid``; None: a model preset's own, else
+            none). Required by ``soft_hash_far`` (w >= chunk_size), which reads only the
+            blocks before each query's own.
+        global_heads: with a window branch, the attention runs on query heads 0..g-1 only
+            (None: every head; ``hybrid``).
+        gradient_surrogate: λ of the training-only surrogate gradient of ``soft_hash_far``
+            (exactly 0 in value; None: a model preset's own, else 0).
         sliding_window: what happens to a model's sliding window (Mistral, Qwen3, Phi-3,
             Gemma): ``"refuse"`` (default: ValueError) or ``"full"`` (every layer attends to
             all earlier tokens); see ``policies``. ``softmax`` keeps the window regardless.
@@ -230,32 +245,38 @@ def convert(
     of the attention module's weights. A converted model can be converted again (the old
     polysketch modules are replaced).
     """
-    settings = _check_settings(
+    settings, layer = _check_settings(
         attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs,
-        learn_balance=learn_balance, window=window, sliding_window=sliding_window,
-        softcap=softcap,
+        learn_balance=learn_balance, window=window, local_window=local_window,
+        global_heads=global_heads, gradient_surrogate=gradient_surrogate,
+        sliding_window=sliding_window, softcap=softcap,
     )  # fmt: skip
     modules = attention_modules(model)
     config = model.config.get_text_config(decoder=True)
     check_policies(config, attention, sliding_window, softcap)
     num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
+    if layer.global_heads is not None and layer.global_heads > num_heads:
+        raise ValueError(f"global_heads={layer.global_heads} > the model's {num_heads} query heads")
     register()
     for module in modules:
         ref = next(module.parameters())
         core = PolysketchAttention(
-            settings["attention"],
+            layer.attention,
             head_dim=_head_dim(module),
             num_heads=num_heads,
             layer_index=module.layer_idx,
             scaling=float(getattr(module, "scaling", _head_dim(module) ** -0.5)),
-            chunk_size=settings["chunk_size"],
+            chunk_size=layer.chunk_size,
             qk_norm=settings["qk_norm"],
             denominator_offset=settings["denominator_offset"],
             seed=settings["seed"],
             mixed=settings["mixed"],
             learn_balance=settings["learn_balance"],
             window=settings["window"],
-            **settings["map_kwargs"],
+            gradient_surrogate=layer.gradient_surrogate,
+            local_window=layer.local_window,
+            global_heads=layer.global_heads,
+            **layer.map_kwargs,
         )
         core.drop_softcap = settings["softcap"] == "drop"
         if "polysketch" in module._modules:
@@ -407,6 +428,9 @@ def load_converted(
         mixed=settings.get("mixed", False),
         learn_balance=settings.get("learn_balance", False),
         window=settings.get("window"),
+        local_window=settings.get("local_window"),
+        global_heads=settings.get("global_heads"),
+        gradient_surrogate=settings.get("gradient_surrogate"),
         sliding_window=settings.get("sliding_window", sliding_window or "refuse"),
         softcap=settings.get("softcap", softcap or "refuse"),
         **settings["map_kwargs"],

@@ -380,7 +380,7 @@ def linearize_saved(
     *,
     config: LinearizeConfig | None = None,
     save_to: str | os.PathLike | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     max_bytes: int | None = None,
     **map_kwargs,
 ) -> dict:
@@ -389,11 +389,11 @@ def linearize_saved(
     Loads ``model_path`` with ``AutoModelForCausalLM.from_pretrained``, reads ``data``
     (``polysketch.data.load_corpus``: ``shakespeare``, ``stdlib`` or a text path; at most
     ``max_bytes``), seeds torch with ``config.seed`` and runs ``linearize`` (``chunk_size``
-    and ``map_kwargs`` go to ``convert``). With ``save_to``, the converted model is saved
-    there atomically (a folder swapped into place) and reloaded with ``load_converted``; its
-    validation loss is ``loss_reloaded``. Returns ``linearize``'s results plus ``model`` and
-    ``data`` (the paths given). The model must have a byte vocabulary (>= 256 ids): a
-    ValueError otherwise.
+    and ``map_kwargs`` go to ``convert``: None is a model preset's block, else 64). With
+    ``save_to``, the converted model is saved there atomically (a folder swapped into place)
+    and reloaded with ``load_converted``; its validation loss is ``loss_reloaded``. Returns
+    ``linearize``'s results plus ``model`` and ``data`` (the paths given). The model must
+    have a byte vocabulary (>= 256 ids): a ValueError otherwise.
     """
     from transformers import AutoModelForCausalLM
 
