@@ -50,6 +50,7 @@ import math
 import torch
 
 from .._checks import check_float, refuse_unless
+from .._device import checks_on_host
 
 __all__ = ["attention_features", "refuse_features", "refuse_unless", "range_advice"]
 
@@ -144,7 +145,7 @@ def refuse_features(feature_map, phi: torch.Tensor, role: str) -> torch.Tensor:
     every element is finite in its dtype: the public ``FeatureMap.query`` / ``key`` /
     ``query_stabilized`` return no inf or NaN (trig's exp(‖u‖²/2) factor, hybrid_angular's)
     without a word. One reduction; ``refuse_unless`` (no host sync on accelerators)."""
-    asynchronous = phi.device.type != "cpu" or torch.compiler.is_compiling()
+    asynchronous = not checks_on_host(phi)
     if not asynchronous and _all_finite(phi):
         return phi
     if role == "key":
@@ -169,7 +170,7 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
     only on the way to a refusal (on the CPU)."""
     dtype = phi_q.dtype
     if asynchronous is None:
-        asynchronous = phi_q.device.type != "cpu" or torch.compiler.is_compiling()
+        asynchronous = not checks_on_host(phi_q)
     # On the CPU a finite sum proves rule 2 (``_all_finite``); the rows are tested only when it
     # does not, to name the culprit (a masked key row may still be non-finite).
     both = joint is not None and not asynchronous and key_padding_mask is None

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, compute_dtype
+from .._device import device_type  # the kind every decision below reads (presentable)
 from . import blocks, chunked, cumsum, noncausal
 
 __all__ = [
@@ -124,12 +125,6 @@ measured map; the other shapes the kernels support run under ``POLYSKETCH_TRITON
 
 
 # ----- device policy ------------------------------------------------------------------------
-def device_type(device: torch.device | str) -> str:
-    """The device kind every decision below reads (``torch.device(device).type``): one
-    function, so tests can present a CPU tensor as a CUDA one to the decisions alone."""
-    return torch.device(device).type
-
-
 def operand_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype of matmul operands for inputs of ``dtype`` on ``device``.
 

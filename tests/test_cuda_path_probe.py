@@ -1,0 +1,188 @@
+"""The CUDA path of every preset, probed on a CPU (issue 41): no host synchronization in a
+training step or a decode step, and a ceiling on the aten ops each layer dispatches.
+
+``cuda_probe.probe()`` presents the CPU tensors as CUDA ones to the library's device decisions
+(``polysketch._device.presented_device``) and records every aten op and every call that would
+wait for the GPU (see ``tests/cuda_probe.py``). Triton stays out of these steps: fp32 (and bf16
+under autocast) at T = 80, far below ``ops.dispatch.TRITON_MIN_LENGTH``, in the Triton mode
+"auto", so every causal call runs ``chunked_blocks`` exactly as CUDA runs it at that length.
+
+Shapes: B = 2, T = 80 (two full blocks of ``CHUNK`` = 32 and a partial one), n_embd = 64,
+n_head = 2 (heads of 32), vocab 64. The decode step is a prefill of ``PREFILL`` = 63 tokens
+and two single tokens (the first completes a block, the second starts one and, with the
+model presets' 64-token window, evicts the oldest key).
+
+Ops per layer are the difference between a 2-layer and a 1-layer model of the same config
+(embedding, final norm and loss cancel). ``OP_CEILINGS`` holds today's counts as ceilings:
+a change that adds ops fails here; one that removes ops should lower its ceiling (the
+assertion message prints the new count). Counts do not grow with T (``chunked_blocks``
+batches every block) until the group budget splits the blocks (past ~5.5k tokens at
+B·H = 12, D = 64).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cuda_probe import probe
+from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn.presets import MODEL_PRESETS, PRESETS
+
+NAMES = list(PRESETS) + list(MODEL_PRESETS)
+BATCH, LENGTH, CHUNK, PREFILL = 2, 80, 32, 63
+NEEDS = {"sliding_window": {"window": 16}, "soft_hash_far": {"local_window": CHUNK}}
+
+
+def config(name: str, n_layer: int) -> TransformerConfig:
+    return TransformerConfig(vocab_size=64, block_size=256, n_layer=n_layer, n_head=2,
+                             n_embd=64, chunk_size=CHUNK, attention=name,
+                             **NEEDS.get(name, {}))  # fmt: skip
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(model, idx, *, autocast: bool = False, keep=None):
+    """One forward + backward of the LM loss (targets = inputs)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(idx, idx, key_padding_mask=keep)
+    loss.backward()
+
+
+def decode_steps(model, idx, keep=None):
+    """Prefill ``PREFILL`` tokens, then two single tokens, without gradients."""
+    with torch.no_grad():
+        caches = model.new_caches()
+        pkeep = None if keep is None else keep[:, :PREFILL]
+        model(idx[:, :PREFILL], caches=caches, key_padding_mask=pkeep)
+        for i in (PREFILL, PREFILL + 1):
+            model(idx[:, i : i + 1], caches=caches)
+
+
+@functools.cache
+def measured(name: str) -> dict:
+    """Records of the CUDA path of ``name`` per layer count: {"train": {1: rec, 2: rec},
+    "token": {...}, "decode": {...}}; "token" is the first single-token step alone."""
+    out: dict = {"train": {}, "token": {}, "decode": {}}
+    for n_layer in (1, 2):
+        torch.manual_seed(0)
+        model = TransformerLM(config(name, n_layer))
+        idx = tokens()
+        with probe() as rec:
+            train_step(model, idx)
+        out["train"][n_layer] = rec
+        model.eval()
+        with torch.no_grad():
+            caches = model.new_caches()
+            with probe() as pre:
+                model(idx[:, :PREFILL], caches=caches)
+            with probe() as tok:
+                model(idx[:, PREFILL : PREFILL + 1], caches=caches)
+            with probe() as tok2:
+                model(idx[:, PREFILL + 1 : PREFILL + 2], caches=caches)
+        out["token"][n_layer] = tok
+        out["decode"][n_layer] = (pre, tok, tok2)
+    return out
+
+
+def per_layer(records: dict, attr: str = "ops") -> int:
+    return getattr(records[2], attr) - getattr(records[1], attr)
+
+
+# ----- the probe itself can fail ------------------------------------------------------------
+def test_probe_sees_every_kind_of_host_sync():
+    x = torch.arange(6.0)
+    with probe() as rec:
+        x.sum().item()
+        bool(x[0] > 1)
+        x.tolist()
+        x.nonzero()
+        x[x > 2]
+        x.cpu()
+        torch.tensor([1, 2], device=x.device)
+        torch.repeat_interleave(torch.tensor([1, 2]))
+    reasons = [reason for reason, _ in rec.syncs]
+    for want in ("_local_scalar_dense", "tolist", "nonzero", "index with a boolean mask",
+                 "cpu", "tensor(host data, device=...)", "repeat_interleave"):  # fmt: skip
+        assert any(r.startswith(want) for r in reasons), (want, reasons)
+
+
+def test_the_cpu_path_reads_its_checks_on_the_host():
+    """The same step presented as "cpu" shows the host reads of the input checks: the CUDA
+    path's zero below comes from the branches it takes, not from a blind probe."""
+    model = TransformerLM(config("psf_random", 1))
+    with probe("cpu") as rec:
+        train_step(model, tokens())
+    sites = {site for _, site in rec.syncs}
+    assert "nn.transformer:_check_idx" in sites and "features.stability:_all_finite" in sites
+
+
+# ----- 0 host syncs on the CUDA path --------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_training_step_has_no_host_sync(name):
+    rec = measured(name)["train"][2]
+    assert rec.syncs == [], rec.syncs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_step_has_no_host_sync(name):
+    syncs = [s for rec in measured(name)["decode"][2] for s in rec.syncs]
+    assert syncs == [], syncs
+
+
+@pytest.mark.parametrize("name", ["psf_random", "psf_mixed", "soft_hash_far_local"])
+def test_bf16_autocast_and_padded_training_have_no_host_sync(name):
+    """bf16 under autocast (half operands into ``chunked_blocks``, as on a GPU) and a padded
+    batch (padding is removal: ``nn.padding``'s compaction is a sort, not a gather by count)."""
+    model = TransformerLM(config(name, 1))
+    keep = torch.ones(BATCH, LENGTH, dtype=torch.bool)
+    keep[0, :5] = False
+    with probe() as rec:
+        train_step(model, tokens(), autocast=True)
+        train_step(model, tokens(), keep=keep)
+    assert rec.syncs == [], rec.syncs
+
+
+def test_checks_still_refuse_on_the_cuda_path():
+    """Input checks stay on the CUDA path, as device-side assertions (``torch._assert_async``
+    raises RuntimeError at once on a CPU tensor)."""
+    model = TransformerLM(config("psf_random", 1))
+    bad = tokens().clone()
+    bad[0, 3] = 64
+    with probe() as rec, pytest.raises(RuntimeError, match="vocab_size"):
+        model(bad)
+    with probe(), pytest.raises(RuntimeError, match="vocab_size"):
+        model(tokens(), bad)
+    assert rec.by_op["_assert_async"] >= 1 and rec.syncs == []
+    layer = model.blocks[0].attn
+    x = torch.full((1, 8, 64), float("nan"))
+    with probe(), pytest.raises(RuntimeError, match="overflow"):
+        layer(x)
+
+
+PADDED_DECODE_SYNCS = {
+    name: {("tolist", "nn.core:_mixed")}
+    for name in ("psf_mixed", "soft_hash_far", "soft_hash_far_local")
+}
+"""The host syncs left on the CUDA path, all in a decode step after a PADDED prefill (a
+``key_padding_mask``) of mixed attention: ``AttentionCore._mixed`` reads each row's number of
+real tokens (``keep.sum(-1).tolist()``) because ``MixedCache.prefill`` then keeps one state per
+row (``MixedCache.rows``): each row's block grid starts at its first real token, so rows hold
+different numbers of completed blocks and current-block tokens. Removing it needs a batched
+mixed state with per-row block offsets (``ops.mixed_step``), a redesign. Asserted exactly:
+removing one tightens this table."""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_decode_syncs_are_exactly_the_named_ones(name):
+    torch.manual_seed(0)
+    model = TransformerLM(config(name, 1)).eval()
+    keep = torch.ones(BATCH, LENGTH, dtype=torch.bool)
+    keep[0, :5] = False  # row 0 left-padded
+    with probe() as rec:
+        decode_steps(model, tokens(), keep)
+    assert set(rec.syncs) == PADDED_DECODE_SYNCS.get(name, set()), rec.syncs
