@@ -39,8 +39,10 @@ Triton on CUDA (``triton_mode``, from ``POLYSKETCH_TRITON`` or ``enable_triton``
     "on"  (=1)        every bf16 call the kernels support, and the fused decode step
     "off" (=0)        never (``chunked_blocks``); ``algorithm="triton"`` still names them
 
-In every mode the call must have no state in or out, a shape the kernels support, and not be
-traced by ``torch.compile`` (inductor fuses chunked_blocks itself). fp16 and fp32 inputs take
+In every mode the call must have no state in or out and a shape the kernels support. Under
+``torch.compile`` only "on" picks them (they are custom ops, ``ops.triton.custom_ops``, which
+the graph captures whole); "auto" keeps ``chunked_blocks`` there, which inductor fuses itself,
+until ``make gpu-check`` has timed the compiled step both ways. fp16 and fp32 inputs take
 ``chunked_blocks``: the kernels would run in fp32 for both (fp16's range, ``ops.blocks``),
 where they spill registers. A new kernel ships opt-in ("on") and joins "auto" only after
 ``make gpu-check`` has passed with it on a GPU and its table shows it faster.
@@ -209,6 +211,7 @@ def triton_enabled() -> bool:
     return triton_mode() != "off"
 
 
+@torch.compiler.assume_constant_result  # a fact of the GPU: a constant of a traced graph
 def multiprocessor_count(device: torch.device | str) -> int | None:
     """The streaming multiprocessors of a CUDA ``device`` (Triton's launch grids), else None."""
     device = torch.device(device)
@@ -305,7 +308,7 @@ def resolve_algorithm(
         layout == "chunked_blocks"
         and device_type(a.device) == "cuda"
         and not with_state
-        and not torch.compiler.is_compiling()
+        and (not torch.compiler.is_compiling() or triton_mode() == "on")
         and _triton_wanted(a, square)
         and _refusal("triton", a, b, c, square=square, with_state=with_state) is None
     ):
