@@ -98,6 +98,26 @@ def per_layer(records: dict, attr: str = "ops") -> int:
 
 
 # ----- the probe itself can fail ------------------------------------------------------------
+def test_presented_device_reaches_every_decision():
+    from polysketch._device import checks_on_host, device_type, presented_device
+    from polysketch.ops import dispatch
+
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    assert device_type(x.device) == "cpu" and checks_on_host(x)
+    assert dispatch.operand_dtype(x.dtype, x.device) == torch.float32
+    with presented_device("cuda"):
+        assert dispatch.device_type(x.device) == "cuda" and not checks_on_host(x)
+        assert dispatch.operand_dtype(x.dtype, x.device) == torch.bfloat16
+        assert dispatch.layout_for(x.device) == "chunked_blocks"
+        with presented_device("mps"):
+            assert device_type("cpu") == "mps"
+        assert device_type("cpu") == "cuda"
+    assert device_type(x.device) == "cpu" and dispatch.layout_for(x.device) == "chunked_scan"
+    with pytest.raises(ValueError, match="kind"):
+        with presented_device("gpu"):
+            pass
+
+
 def test_probe_sees_every_kind_of_host_sync():
     x = torch.arange(6.0)
     with probe() as rec:

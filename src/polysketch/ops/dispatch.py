@@ -52,6 +52,9 @@ Nothing outside this module branches on the device in the attention path (``ops`
 step and the GPU facts the Triton launch grids need (``multiprocessor_count``) are decided
 here. (The Triton package still validates that its inputs sit where its kernels can run, and
 ``nn.attention`` sets up autocast for the input's device type: checks and set-up, not choices.)
+Every decision reads the device kind through ``device_type`` (``polysketch._device``), as do the
+input checks (``_device.checks_on_host``), so ``_device.presented_device("cuda")`` runs the
+CUDA path on CPU tensors (``tests/cuda_probe.py``).
 """
 
 from __future__ import annotations
