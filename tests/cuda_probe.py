@@ -7,7 +7,8 @@ kernels alike) and a ``TorchFunctionMode`` (tensor methods that never reach the 
 a CPU, e.g. ``tolist``):
 
 * ``ops``: every aten op dispatched (views included: on a GPU each is still a dispatch on the
-  host, most others a kernel launch), and ``kernels``: those that are not views;
+  host), and ``kernels``: those that launch work on the device, i.e. not views and not
+  ``NO_LAUNCH`` (metadata, allocation and host-scalar ops);
 * ``syncs``: the calls that force a host synchronization on CUDA, each with the innermost
   ``polysketch`` frame that made it (``module:function``):
   - ``aten._local_scalar_dense`` (``.item()``, ``bool()``/``int()``/``float()`` of a tensor),
@@ -51,6 +52,14 @@ SYNC_PACKETS = {
     aten.bincount, aten.histc,
 }  # fmt: skip
 """aten packets whose every overload forces a host sync on CUDA."""
+
+NO_LAUNCH = {
+    aten._unsafe_view, aten._reshape_alias, aten.promote_types, aten.scalar_tensor,
+    aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided,
+    aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.lift_fresh,
+}  # fmt: skip
+"""Non-view aten packets that launch no device work (shape/metadata, allocation, a host
+scalar)."""
 
 HOST_METHODS = {
     torch.Tensor.tolist: "tolist",
@@ -113,7 +122,7 @@ class _Dispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         rec = self.record
         rec.ops += 1
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket not in NO_LAUNCH:
             rec.kernels += 1
         rec.by_op[str(func.overloadpacket.__name__)] += 1
         reason = sync_reason(func, args, kwargs)
