@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._device import checks_on_host
+
 __all__ = [
     "parse_key_values",
     "check_int",
@@ -175,14 +177,16 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def refuse_unless(ok: torch.Tensor, message: str, *, asynchronous: bool | None = None) -> None:
     """Refuse (``message``) unless every element of the boolean tensor ``ok`` is True.
 
-    ``asynchronous=None`` decides by device: on the CPU a ValueError is raised (a host read is
-    free there); on accelerators, and inside ``torch.compile`` (where a host read would break
-    the graph), ``torch._assert_async(ok.all(), message)`` checks without a host
-    synchronization. ``True``/``False`` force one path (``True`` on the CPU raises
-    RuntimeError at once, which is how the device path is tested without a device).
+    ``asynchronous=None`` decides by device (``_device.checks_on_host``): on the CPU a
+    ValueError is raised (a host read is free there); on accelerators, and inside
+    ``torch.compile`` (where a host read would break the graph),
+    ``torch._assert_async(ok.all(), message)`` checks without a host synchronization.
+    ``True``/``False`` force one path (``True`` on the CPU raises RuntimeError at once, which
+    is how the device path is tested without a device; so does
+    ``_device.presented_device("cuda")``).
     """
     if asynchronous is None:
-        asynchronous = ok.device.type != "cpu" or torch.compiler.is_compiling()
+        asynchronous = not checks_on_host(ok)
     if asynchronous:
         torch._assert_async(ok.all(), message)
     elif not bool(ok.all()):

@@ -50,6 +50,7 @@ import math
 import torch
 
 from .._checks import check_float, refuse_unless
+from .._device import checks_on_host
 
 __all__ = ["attention_features", "refuse_features", "refuse_unless", "range_advice"]
 
@@ -73,9 +74,12 @@ def _label(feature_map) -> str:
 
 
 def _rows_ok(phi: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """Per row: every feature finite (or the row masked out). phi (..., T, F) -> (..., T)."""
-    ok = torch.isfinite(phi).all(-1)
-    return ok if keep is None else ok | ~keep
+    """Whether features are finite, for ``refuse_unless`` (which reduces with ``all``): per
+    element without ``keep``; with it per row, every feature finite or the row masked out
+    (..., T). phi (..., T, F)."""
+    if keep is None:  # one reduction fewer (one launch per check on a GPU)
+        return torch.isfinite(phi)
+    return torch.isfinite(phi).all(-1) | ~keep
 
 
 def _all_finite(x: torch.Tensor) -> bool:
@@ -139,12 +143,19 @@ def _key_overflow(feature_map, dtype) -> str:
     )
 
 
+def _joint_overflow(feature_map, dtype) -> str:
+    return (
+        f"query or key features of feature map {_label(feature_map)} overflow {dtype} (or q, k "
+        f"hold NaN/Inf): {range_advice(feature_map, dtype)}"
+    )
+
+
 def refuse_features(feature_map, phi: torch.Tensor, role: str) -> torch.Tensor:
     """``phi`` (features of ``role`` "query", "query_stabilized" or "key"), refused unless
     every element is finite in its dtype: the public ``FeatureMap.query`` / ``key`` /
     ``query_stabilized`` return no inf or NaN (trig's exp(‖u‖²/2) factor, hybrid_angular's)
     without a word. One reduction; ``refuse_unless`` (no host sync on accelerators)."""
-    asynchronous = phi.device.type != "cpu" or torch.compiler.is_compiling()
+    asynchronous = not checks_on_host(phi)
     if not asynchronous and _all_finite(phi):
         return phi
     if role == "key":
@@ -158,7 +169,7 @@ def refuse_features(feature_map, phi: torch.Tensor, role: str) -> torch.Tensor:
             f"{role} features of feature map {_label(feature_map)} overflow {phi.dtype} (or x "
             f"holds NaN/Inf): {hint}{range_advice(feature_map, phi.dtype)}"
         )
-    refuse_unless(torch.isfinite(phi).all(), message, asynchronous=asynchronous)
+    refuse_unless(torch.isfinite(phi), message, asynchronous=asynchronous)
     return phi
 
 
@@ -169,11 +180,14 @@ def _check(feature_map, phi_q, phi_k, *, stabilized, causal, eps, key_padding_ma
     only on the way to a refusal (on the CPU)."""
     dtype = phi_q.dtype
     if asynchronous is None:
-        asynchronous = phi_q.device.type != "cpu" or torch.compiler.is_compiling()
+        asynchronous = not checks_on_host(phi_q)
     # On the CPU a finite sum proves rule 2 (``_all_finite``); the rows are tested only when it
     # does not, to name the culprit (a masked key row may still be non-finite).
-    both = joint is not None and not asynchronous and key_padding_mask is None
-    if not (both and _all_finite(joint)):
+    both = joint is not None and key_padding_mask is None
+    if both and asynchronous:  # one device-side check of both rows (one launch, not two)
+        refuse_unless(torch.isfinite(joint), _joint_overflow(feature_map, dtype),
+                      asynchronous=True)  # fmt: skip
+    elif not (both and _all_finite(joint)):
         if asynchronous or not _all_finite(phi_q):
             ok_q = _rows_ok(phi_q, None)
             refuse_unless(ok_q, _query_overflow(feature_map, dtype, stabilized),

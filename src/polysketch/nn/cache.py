@@ -261,7 +261,9 @@ def _state_row(st: MixedAttentionState, b: int) -> MixedAttentionState:
 class WindowCache(_Cache):
     """Sliding-window decode state: the keys ``k`` (B, H, n, D) and values ``v`` (B, H, n, E)
     of the last ``window`` real tokens of each row, oldest first, with ``keep`` (B, n) (None:
-    all real; a row with fewer real tokens has padded slots in front)."""
+    all real; a row with fewer real tokens has padded slots in front). Until a step is padded
+    (``aligned``) each row's real keys are its last slots, so a step keeps the last w slots
+    without reading the mask on the host."""
 
     def __init__(self, window: int) -> None:
         super().__init__()
@@ -269,6 +271,7 @@ class WindowCache(_Cache):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
+        self.aligned = True  # while no step was padded: each row's pads precede its real keys
 
     def num_floats(self) -> int:
         kv = 0 if self.k is None else self.k.numel() + self.v.numel()
@@ -283,13 +286,12 @@ class WindowCache(_Cache):
             n = min(t, self.window)
             self.k, self.v = k[..., t - n :, :], v[..., t - n :, :]
             return
-        n = min(int(lengths.max()), self.window)
+        n = min(t, self.window)  # not max(lengths): a static size, no host sync
         idx = lengths.to(k.device)[:, None] - n + torch.arange(n, device=k.device)  # (B, n)
-        keep = idx >= 0
         from .padding import gather_time
 
         self.k, self.v = (gather_time(x, idx.clamp_min(0), dim=-2) for x in (k, v))
-        self.keep = None if bool(keep.all()) else keep
+        self.keep = idx >= 0  # each row's real keys right-aligned (its pads first)
 
     def append(self, k, v, keep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Add ONE time step (k (B, H, 1, D), v, ``keep`` (B, 1) or None); return the window
@@ -304,6 +306,13 @@ class WindowCache(_Cache):
                 ks, vs = ks[..., n - self.window :, :], vs[..., n - self.window :, :]
             self.k, self.v = ks, vs
             return ks, vs, None
+        if keep is None and self.aligned:  # every row's real keys right-aligned: its window
+            mask = torch.cat([self.keep, torch.ones_like(self.keep[:, :1])], dim=-1)
+            cut = max(0, ks.shape[-2] - self.window)  # is its real keys among the last w slots
+            ks, vs, mask = ks[..., cut:, :], vs[..., cut:, :], mask[:, cut:]  # (no host sync)
+            self.k, self.v, self.keep = ks, vs, mask
+            return ks, vs, mask
+        self.aligned = False  # a padded step: real keys no longer right-aligned
         mask = _append_keep(self.keep, keep, ks.shape[-2] - 1, k)
         if mask is None:
             mask = torch.ones(ks.shape[0], ks.shape[-2], dtype=torch.bool, device=ks.device)

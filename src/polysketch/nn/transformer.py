@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_float, check_int, check_positive_int
+from .._device import checks_on_host
 from .._fields import documented
 from ..random import make_generator
 from .attention import KernelAttention
@@ -331,7 +332,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"{name} must have shape (B, T) with {least}, got {tuple(idx.shape)}")
         vocab = self.config.vocab_size
         message = f"{name} must hold ids in [0, vocab_size={vocab})"
-        if idx.device.type != "cpu" or torch.compiler.is_compiling():
+        if not checks_on_host(idx):
             # no host sync, no graph break: a device-side assertion (fails at the next sync)
             torch._assert_async(((idx >= 0) & (idx < vocab)).all(), message)
         elif idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
@@ -352,7 +353,7 @@ class TransformerLM(nn.Module):
         vocab = self.config.vocab_size
         message = f"targets must hold ids in [0, vocab_size={vocab}) or -100 (ignored)"
         valid = (targets == -100) | ((targets >= 0) & (targets < vocab))
-        if targets.device.type != "cpu" or torch.compiler.is_compiling():
+        if not checks_on_host(targets):
             torch._assert_async(valid.all(), message)  # fails at the next sync, no graph break
         elif not bool(valid.all()):
             raise ValueError(message)

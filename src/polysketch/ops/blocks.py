@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as nnf
 
 from .._checks import compute_dtype
+from ._constants import lower_triangle
 from .pairs import PairFeatures, state_dim
 
 __all__ = ["blocks_lt_multiply", "gemm_dtype", "lt_multiply", "state_dim", "group_blocks_for"]
@@ -111,13 +112,29 @@ def _to_blocks(x: torch.Tensor, n: int, blk: int) -> torch.Tensor:
     return x.unflatten(-2, (n, blk))
 
 
+def _mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y for (..., M, K) and (..., K, N) of the same leading dims as one ``bmm`` (the same
+    kernel and result as ``matmul``, whose broadcasting path dispatches two expands and three
+    views more: host time per call on a GPU)."""
+    lead = x.shape[:-2]
+    if y.shape[:-2] != lead or len(lead) < 1:
+        return x @ y
+    out = torch.bmm(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:]))
+    return out.view(*lead, *out.shape[-2:])
+
+
 def _scores(la: torch.Tensor, lb: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """G = Â B̂ᵀ per block (..., G, b, b) in the accumulation dtype (operands as given)."""
-    return (la @ lb.transpose(-1, -2)).to(acc)
+    return _mm(la, lb.transpose(-1, -2)).to(acc)
 
 
-def _exclusive_prefix(p0: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """P_n = P_0 + Σ_{m<n} S_m for S (..., G, F', X), P_0 (..., F', X) -> (..., G, F', X)."""
+def _exclusive_prefix(p0: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+    """P_n = P_0 + Σ_{m<n} S_m for S (..., G, F', X), P_0 (..., F', X) or None (zero)
+    -> (..., G, F', X)."""
+    if p0 is None:  # 0 + x = x exactly: the same values as with a zero P_0, fewer launches
+        if s.shape[-3] == 1:
+            return torch.zeros_like(s)
+        return nnf.pad(s[..., :-1, :, :].cumsum(-3), (0, 0, 0, 0, 1, 0))
     first = p0.unsqueeze(-3)
     if s.shape[-3] == 1:
         return first
@@ -128,8 +145,9 @@ class _BlockAttention(torch.autograd.Function):
     """Forward and recomputing backward of the module docstring (groups of ``group`` blocks)."""
 
     @staticmethod
-    def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square, in_block):
-        acc = p0.dtype
+    def forward(ctx, a, b, c, p0, la, lb, power, chunk_size, group, square, in_block, acc,
+                want_state):  # fmt: skip
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         od = gemm_dtype(a.dtype, acc)
         t, f = a.shape[-2], a.shape[-1]
         blk = max(1, min(chunk_size, t))
@@ -137,28 +155,29 @@ class _BlockAttention(torch.autograd.Function):
         local_inputs = la is not None
         A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
         LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
-        space = _StateSpace(f, square, a.new_empty((), dtype=od))
-        tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
-        state, outs, prefixes = p0, [], []
+        space = _StateSpace(f, square, a if a.dtype == od else a.new_empty((), dtype=od))
+        tril = lower_triangle(blk, a.device)
+        state, outs, prefixes = p0, [], []  # state None: zero (no initial state)
         for start in range(0, n, group):
             sl = slice(start, min(n, start + group))
             ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
-            s = (space.keys(bg).transpose(-1, -2) @ cg).to(acc)  # (..., G, F', E+1)
+            s = _mm(space.keys(bg).transpose(-1, -2), cg).to(acc)  # (..., G, F', E+1)
             prefix = _exclusive_prefix(state, s)
             pod = prefix.to(od)
-            out = (space.queries(ag) @ pod).to(acc)
+            out = _mm(space.queries(ag), pod).to(acc)
             if in_block:
                 g = _scores(lag, lbg, acc)
                 m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
-                out = (m.to(od) @ cg).to(acc) + out
-            state = prefix[..., -1, :, :] + s[..., -1, :, :]
+                out = _mm(m.to(od), cg).to(acc) + out
+            if want_state or sl.stop < n:  # carried to the next group, or returned
+                state = prefix[..., -1, :, :] + s[..., -1, :, :]
             outs.append(out)
             prefixes.append(pod)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-3)
         pods = prefixes[0] if len(prefixes) == 1 else torch.cat(prefixes, dim=-3)
         ctx.save_for_backward(a, b, c, la, lb, pods)
         ctx.config = (power, blk, n, group, square, acc, in_block)
-        return out.flatten(-3, -2)[..., :t, :], state
+        return out.flatten(-3, -2)[..., :t, :], (state if want_state else None)
 
     @staticmethod
     def backward(ctx, d_out, d_state):
@@ -166,20 +185,19 @@ class _BlockAttention(torch.autograd.Function):
         power, blk, n, group, square, acc, in_block = ctx.config
         od, t, f = pods.dtype, a.shape[-2], a.shape[-1]  # the forward's gemm_dtype
         local_inputs = la is not None
+        if d_out is None:  # only the final state was used
+            d_out = torch.zeros(*a.shape[:-1], c.shape[-1], dtype=acc, device=a.device)
         A, B, C = (_to_blocks(x, n, blk) for x in (a, b, c))
         LA, LB = (_to_blocks(x, n, blk) for x in (la, lb)) if local_inputs else (A, B)
         dO = _to_blocks(d_out, n, blk)
-        space = _StateSpace(f, square, a.new_empty((), dtype=od))
-        tril = torch.ones(blk, blk, dtype=torch.bool, device=a.device).tril()
-        lead = pods.shape[:-3]
-        r = (
-            d_state.to(acc)
-            if d_state is not None
-            else torch.zeros(*lead, space.dim, c.shape[-1], dtype=acc, device=a.device)
-        )
+        space = _StateSpace(f, square, a if a.dtype == od else a.new_empty((), dtype=od))
+        tril = lower_triangle(blk, a.device)
+        # R: the gradient of the state after the blocks processed so far (None: zero)
+        r = None if d_state is None else d_state.to(acc)
         grads = {"a": [], "b": [], "c": [], "la": [], "lb": []}
         starts = list(range(0, n, group))
         for start in reversed(starts):
+            carry = start > 0 or ctx.needs_input_grad[3]  # R is read again (or returned)
             sl = slice(start, min(n, start + group))
             ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
             dog = dO[..., sl, :, :].to(acc)
@@ -189,30 +207,31 @@ class _BlockAttention(torch.autograd.Function):
             if in_block:
                 g = _scores(lag, lbg, acc)
                 m = torch.where(tril, g**power if power != 1 else g, g.new_zeros(()))
-                dm = torch.where(tril, (dod @ cg.transpose(-1, -2)).to(acc), g.new_zeros(()))
-                dc = (m.to(od).transpose(-1, -2) @ dod).to(acc)
+                dm = torch.where(tril, _mm(dod, cg.transpose(-1, -2)).to(acc), g.new_zeros(()))
+                dc = _mm(m.to(od).transpose(-1, -2), dod).to(acc)
                 dg = dm * (power * g ** (power - 1)) if power != 1 else dm
                 dgo = dg.to(od)
-                dla = (dgo @ lbg).to(acc)
-                dlb = (dgo.transpose(-1, -2) @ lag).to(acc)
+                dla = _mm(dgo, lbg).to(acc)
+                dlb = _mm(dgo.transpose(-1, -2), lag).to(acc)
             # read of the prefixes: out += Ψq(A) P
             pod = pods[..., sl, :, :]
             qf = space.queries(ag)
-            dqf = (dod @ pod.transpose(-1, -2)).to(acc)  # (..., G, b, F')
-            dp = (qf.transpose(-1, -2) @ dod).to(acc)  # (..., G, F', E+1)
+            dqf = _mm(dod, pod.transpose(-1, -2)).to(acc)  # (..., G, b, F')
+            dp = _mm(qf.transpose(-1, -2), dod).to(acc)  # (..., G, F', E+1)
             # states: dS_m = R + Σ_{n>m in group} dP_n (reverse inclusive sums, shifted)
             if dp.shape[-3] == 1:  # one block (wide maps on CPU): dS = R, no sums to form
-                ds = r.unsqueeze(-3)
-                r = r + dp[..., 0, :, :]
+                ds = torch.zeros_like(dp) if r is None else r.unsqueeze(-3)
+                later = dp
             else:
                 later = dp.flip(-3).cumsum(-3).flip(-3)  # Σ_{n>=m}
-                ds = torch.cat([later[..., 1:, :, :], torch.zeros_like(later[..., :1, :, :])], -3)
-                ds = ds + r.unsqueeze(-3)
-                r = r + later[..., 0, :, :]
+                ds = nnf.pad(later[..., 1:, :, :], (0, 0, 0, 0, 0, 1))  # Σ_{n>m}
+                ds = ds if r is None else ds + r.unsqueeze(-3)
+            if carry:
+                r = later[..., 0, :, :] if r is None else r + later[..., 0, :, :]
             kf = space.keys(bg)
             dso = ds.to(od)
-            dkf = (cg @ dso.transpose(-1, -2)).to(acc)  # (..., G, b, F')
-            dck = (kf @ dso).to(acc)
+            dkf = _mm(cg, dso.transpose(-1, -2)).to(acc)  # (..., G, b, F')
+            dck = _mm(kf, dso).to(acc)
             dc = dck if dc is None else dc + dck
             da = space.queries_backward(ag.to(acc), dqf)
             db = space.keys_backward(bg.to(acc), dkf)
@@ -234,10 +253,10 @@ class _BlockAttention(torch.autograd.Function):
             merge(grads["a"], a),
             merge(grads["b"], b),
             merge(grads["c"], c),
-            r,
+            r if ctx.needs_input_grad[3] else None,
             merge(grads["la"], la) if local_inputs else None,
             merge(grads["lb"], lb) if local_inputs else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -254,7 +273,8 @@ def blocks_lt_multiply(
     local_power: int | None = None,
     group_bytes: int | None = None,
     in_block: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal lt(s) C̃ with s_ij = local score inside blocks, Ψq(a_i)·Ψ(b_j) across blocks.
 
     Shapes: a, b (..., T, F), c (..., T, X) (X = E+1 with the ones column in
@@ -268,8 +288,9 @@ def blocks_lt_multiply(
     the in-block scores out (s_ij = 0 for j in i's block): each row reads the state of the
     earlier blocks only (mixed attention's ``local="none"``).
 
-    Returns out (..., T, X) and the final state P_0 + Σ_m Ψ(B_m)ᵀ C̃_m (..., F', X), both in
-    the accumulation dtype; differentiable in every tensor argument (recomputing backward).
+    Returns out (..., T, X) and the final state P_0 + Σ_m Ψ(B_m)ᵀ C̃_m (..., F', X) (None
+    with ``return_state=False``: not formed), both in the accumulation dtype; differentiable
+    in every tensor argument (recomputing backward).
     """
     if (local_q is None) != (local_k is None):
         raise ValueError("local_q and local_k must be given together")
@@ -278,20 +299,19 @@ def blocks_lt_multiply(
     blk = max(1, min(chunk_size, t))
     n = -(-t // blk)
     lead = a.shape[:-2]
-    if initial is None:
-        acc = compute_dtype(a.dtype)
-        initial = torch.zeros(*lead, state_dim(f, square), x, dtype=acc, device=a.device)
+    acc = compute_dtype(a.dtype) if initial is None else initial.dtype  # None: a zero P_0
     numel = 1
     for size in lead:
         numel *= size
     d = f if local_q is None else local_q.shape[-1]
     group = group_blocks_for(
         group_bytes, blocks=n, blk=blk, f=f, e=x - 1, d=d, square=square, lead=numel,
-        itemsize=initial.element_size(),
+        itemsize=acc.itemsize,
     )  # fmt: skip
     return _BlockAttention.apply(
-        a, b, c, initial, local_q, local_k, power, chunk_size, group, square, in_block
-    )
+        a, b, c, initial, local_q, local_k, power, chunk_size, group, square, in_block, acc,
+        return_state,
+    )  # fmt: skip
 
 
 def lt_multiply(
@@ -316,7 +336,8 @@ def lt_multiply(
     c = torch.cat([c, c.new_ones(c.shape[:-1] + (1,))], dim=-1)
     p0 = None if initial is None else torch.cat([initial[0], initial[1].unsqueeze(-1)], dim=-1)
     out, state = blocks_lt_multiply(
-        a, b, c, square=square, chunk_size=chunk_size, initial=p0, group_bytes=group_bytes
-    )
+        a, b, c, square=square, chunk_size=chunk_size, initial=p0, group_bytes=group_bytes,
+        return_state=return_state,
+    )  # fmt: skip
     final = (state[..., :e], state[..., e]) if return_state else None
     return out[..., :e], out[..., e], final

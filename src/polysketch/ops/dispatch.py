@@ -39,8 +39,10 @@ Triton on CUDA (``triton_mode``, from ``POLYSKETCH_TRITON`` or ``enable_triton``
     "on"  (=1)        every bf16 call the kernels support, and the fused decode step
     "off" (=0)        never (``chunked_blocks``); ``algorithm="triton"`` still names them
 
-In every mode the call must have no state in or out, a shape the kernels support, and not be
-traced by ``torch.compile`` (inductor fuses chunked_blocks itself). fp16 and fp32 inputs take
+In every mode the call must have no state in or out and a shape the kernels support. Under
+``torch.compile`` only "on" picks them (they are custom ops, ``ops.triton.custom_ops``, which
+the graph captures whole); "auto" keeps ``chunked_blocks`` there, which inductor fuses itself,
+until ``make gpu-check`` has timed the compiled step both ways. fp16 and fp32 inputs take
 ``chunked_blocks``: the kernels would run in fp32 for both (fp16's range, ``ops.blocks``),
 where they spill registers. A new kernel ships opt-in ("on") and joins "auto" only after
 ``make gpu-check`` has passed with it on a GPU and its table shows it faster.
@@ -50,6 +52,9 @@ Nothing outside this module branches on the device in the attention path (``ops`
 step and the GPU facts the Triton launch grids need (``multiprocessor_count``) are decided
 here. (The Triton package still validates that its inputs sit where its kernels can run, and
 ``nn.attention`` sets up autocast for the input's device type: checks and set-up, not choices.)
+Every decision reads the device kind through ``device_type`` (``polysketch._device``), as do the
+input checks (``_device.checks_on_host``), so ``_device.presented_device("cuda")`` runs the
+CUDA path on CPU tensors (``tests/cuda_probe.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, compute_dtype
+from .._device import device_type  # the kind every decision below reads (presentable)
 from . import blocks, chunked, cumsum, noncausal
 
 __all__ = [
@@ -124,12 +130,6 @@ measured map; the other shapes the kernels support run under ``POLYSKETCH_TRITON
 
 
 # ----- device policy ------------------------------------------------------------------------
-def device_type(device: torch.device | str) -> str:
-    """The device kind every decision below reads (``torch.device(device).type``): one
-    function, so tests can present a CPU tensor as a CUDA one to the decisions alone."""
-    return torch.device(device).type
-
-
 def operand_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype of matmul operands for inputs of ``dtype`` on ``device``.
 
@@ -174,15 +174,20 @@ def triton_backend():
     """The ``polysketch.ops.triton`` module when its kernels can run here, else ``None``.
 
     Decided on first use and cached (triton importable, and CUDA or ``TRITON_INTERPRET=1``),
-    so dispatch does no import or probing per call.
+    so dispatch does no import or probing per call. A first use while ``torch.compile``
+    traces decides without caching: a traced region that mutates a global (a recomputed
+    attention's ``torch.utils.checkpoint`` body) would break the graph.
     """
-    if not _BACKEND:
-        try:
-            from . import triton as backend
-        except ImportError:
-            backend = None
-        _BACKEND.append(backend if backend is not None and backend.available() else None)
-    return _BACKEND[0]
+    if _BACKEND:
+        return _BACKEND[0]
+    try:
+        from . import triton as backend
+    except ImportError:
+        backend = None
+    backend = backend if backend is not None and backend.available() else None
+    if not torch.compiler.is_compiling():
+        _BACKEND.append(backend)
+    return backend
 
 
 def enable_triton(enabled: bool | None = True) -> None:
@@ -198,15 +203,17 @@ def triton_mode() -> str:
     """The mode, "auto", "on" or "off": ``enable_triton``'s last word, else
     ``POLYSKETCH_TRITON`` at the first call (unset, empty or auto: "auto"; 1, true, on, yes:
     "on"; 0, false, off, no: "off"; anything else: ValueError naming the variable)."""
-    if not _TRITON_SWITCH:
-        value = os.environ.get("POLYSKETCH_TRITON", "").strip().lower()
-        if value not in _ENV_WORDS:
-            raise ValueError(
-                f"POLYSKETCH_TRITON must be auto, 1 (on) or 0 (off), got "
-                f"{os.environ['POLYSKETCH_TRITON']!r}"
-            )
+    if _TRITON_SWITCH:
+        return _TRITON_SWITCH[0]
+    value = os.environ.get("POLYSKETCH_TRITON", "").strip().lower()
+    if value not in _ENV_WORDS:
+        raise ValueError(
+            f"POLYSKETCH_TRITON must be auto, 1 (on) or 0 (off), got "
+            f"{os.environ['POLYSKETCH_TRITON']!r}"
+        )
+    if not torch.compiler.is_compiling():  # cached outside traces (``triton_backend``)
         _TRITON_SWITCH.append(_ENV_WORDS[value])
-    return _TRITON_SWITCH[0]
+    return _ENV_WORDS[value]
 
 
 def triton_enabled() -> bool:
@@ -214,6 +221,7 @@ def triton_enabled() -> bool:
     return triton_mode() != "off"
 
 
+@torch.compiler.assume_constant_result  # a fact of the GPU: a constant of a traced graph
 def multiprocessor_count(device: torch.device | str) -> int | None:
     """The streaming multiprocessors of a CUDA ``device`` (Triton's launch grids), else None."""
     device = torch.device(device)
@@ -310,7 +318,7 @@ def resolve_algorithm(
         layout == "chunked_blocks"
         and device_type(a.device) == "cuda"
         and not with_state
-        and not torch.compiler.is_compiling()
+        and (not torch.compiler.is_compiling() or triton_mode() == "on")
         and _triton_wanted(a, square)
         and _refusal("triton", a, b, c, square=square, with_state=with_state) is None
     ):

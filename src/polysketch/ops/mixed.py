@@ -42,6 +42,7 @@ from .._checks import (
     check_tensor,
     compute_dtype,
 )
+from ._constants import lower_triangle
 from ._validate import check_bool, check_offset_eps
 from .blocks import blocks_lt_multiply
 from .dispatch import group_bytes_for, operand_dtype
@@ -173,7 +174,7 @@ def mixed_attention(
         num, _ = blocks_lt_multiply(
             phi_q, phi_k, _with_ones(v), square=square, chunk_size=chunk_size,
             group_bytes=group_bytes_for(q.device), in_block=local == "polynomial",
-            **local_inputs,
+            return_state=False, **local_inputs,
         )  # fmt: skip
         out = num[..., :-1] / stabilize_denominator(num[..., -1:] + offset, eps)
         return out.to(out_dtype)
@@ -194,7 +195,7 @@ def mixed_attention(
 
     # Local part: exact κ on the diagonal blocks, lt_Δ(κ(Q_n K_nᵀ)) Ṽ_n.
     z = (qb @ kb.transpose(-1, -2)) * scale if scale != 1.0 else qb @ kb.transpose(-1, -2)
-    causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
+    causal = lower_triangle(b, q.device)
     local_scores = torch.where(causal, _local_kernel(z, local, degree), 0.0)
     num = local_scores @ vb  # (..., N, b, E+1)
 

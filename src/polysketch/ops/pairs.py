@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as nnf
 
+from ._constants import constant
+
 __all__ = ["PairFeatures", "pair_dim", "state_dim", "compress", "expand", "key_state"]
 
 
@@ -38,20 +40,25 @@ def state_dim(f: int, square: bool) -> int:
 _CACHED: dict = {}  # (F, dtype, device) -> PairFeatures, for ``PairFeatures.cached``
 
 
+def _omega(f: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(F',): ω_d at (a, d), 2 for 0 < d < F/2, else 1."""
+    d = torch.arange(f // 2 + 1, device=device)
+    two = torch.full(d.shape, 2.0, dtype=dtype, device=device)
+    return torch.where((d == 0) | (2 * d == f), 1.0, two).repeat(f)
+
+
 class PairFeatures:
     """ψ (keys) and ω ⊙ ψ (queries) for F features; see the module docstring.
 
-    ``like`` gives the device of the index tensors and the dtype of ω.
+    ``like`` gives the device of the index tensors and the dtype of ω (built once per F,
+    dtype and device: ``ops._constants``).
     """
 
     def __init__(self, f: int, like: torch.Tensor):
         self.f, self.half = f, f // 2
         self.device = like.device
-        width = self.half + 1
-        d = torch.arange(width, device=like.device)
-        two = torch.full(d.shape, 2.0, dtype=like.dtype, device=d.device)
-        omega = torch.where((d == 0) | (2 * d == f), 1.0, two)
-        self.omega = omega.repeat(f)  # (F',): ω_d at (a, d)
+        self.omega = constant(("pair_omega", f, like.dtype, like.device),
+                              lambda: _omega(f, like.dtype, like.device))  # fmt: skip
 
     def _indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat F² indices of (a, a+d) and (a+d, a) per pair, and the pair of each (f, g)."""
@@ -66,8 +73,10 @@ class PairFeatures:
 
     @classmethod
     def cached(cls, f: int, like: torch.Tensor) -> PairFeatures:
-        """The ``PairFeatures(f, like)`` kept for (F, dtype, device): decoding builds ω once,
-        not at every token. Not for use under ``torch.compile`` tracing (build one there)."""
+        """The ``PairFeatures(f, like)`` kept for (F, dtype, device): decoding makes none per
+        token (under ``torch.compile`` tracing a new one, as ``ops._constants``)."""
+        if torch.compiler.is_compiling():
+            return cls(f, like)
         key = (f, like.dtype, like.device)
         pairs = _CACHED.get(key)
         if pairs is None:

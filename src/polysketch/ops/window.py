@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_positive_int, compute_dtype
+from ._constants import constant
 from ._validate import check_key_padding_mask, check_offset_eps, check_qkv
 from .naive import DEFAULT_EPS, stabilize_denominator
 
@@ -70,6 +71,19 @@ def _validate(q, k, v, window, kernel, scale, degree, offset, eps, key_padding_m
     scale = check_float(scale, "scale")
     check_key_padding_mask(key_padding_mask, k)
     return window, kernel, scale, degree, offset, eps
+
+
+def _band(b: int, window: int, device: torch.device) -> torch.Tensor:
+    """(b, 2b) bool: key c of the block pair (previous block, own block) is among the last
+    ``window`` keys of query a of the own block (0 <= i - j < window); built once per size."""
+
+    def build():
+        a = torch.arange(b, device=device)
+        c = torch.arange(2 * b, device=device)
+        rel = b + a[:, None] - c[None, :]  # i - j for query a of a block, key c of its pair
+        return (rel >= 0) & (rel < window)
+
+    return constant(("window_band", b, window, torch.device(device)), build)
 
 
 def _weights(logits, mask, kernel, degree):
@@ -145,11 +159,7 @@ def window_attention(
     kb, vb = with_previous(blocks(k)), with_previous(blocks(v))
     # (..., N, 2b); the "previous block" of block 0 is padding, never kept
     kept = with_previous(blocks(keep.unsqueeze(-1), fill=False)).squeeze(-1)
-    a = torch.arange(b, device=q.device)
-    c = torch.arange(2 * b, device=q.device)
-    rel = b + a[:, None] - c[None, :]  # i - j for query a of a block, key c of its pair
-    band = (rel >= 0) & (rel < window)  # (b, 2b)
-    mask = band & kept.unsqueeze(-2)  # (..., N, b, 2b)
+    mask = _band(b, window, q.device) & kept.unsqueeze(-2)  # (..., N, b, 2b)
     if segments is not None:  # (N, b, 1) == (N, 1, 2b): the same document only
         seg = blocks(segments.unsqueeze(-1), fill=-1)
         mask = mask & (seg == with_previous(seg).transpose(-1, -2))

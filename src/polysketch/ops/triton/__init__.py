@@ -12,20 +12,27 @@ stored once per segment of L tokens and prefix-summed (``_layout``). ``triton_de
 is the fused one-token state update and read (``_decode``). Importable without triton:
 ``available()`` says whether the kernels can run, ``unsupported_reason`` whether they handle
 given inputs. On CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` (slow;
-used by the tests).
+used by the tests). The kernels are torch custom ops (``custom_ops``: fake implementations and
+autograd), so ``torch.compile(fullgraph=True)`` captures them; inside ``cpu_reference()`` those
+ops run a dense PyTorch reference on CPU tensors (compiling and tracing without a GPU).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ._validate import check_decode_inputs, check_inputs, interpreting
+from ._validate import (
+    check_decode_inputs,
+    check_inputs,
+    cpu_reference,
+    interpreting,
+    reference_on_cpu,
+)
 
 __all__ = [
     "lt_multiply",
     "available",
+    "cpu_reference",
     "unsupported_reason",
     "decode_unsupported_reason",
     "triton_lt_multiply_with_sums",
@@ -33,19 +40,28 @@ __all__ = [
 ]
 
 
-@functools.cache
+_IMPORTABLE: list[bool] = []
+
+
+@torch.compiler.assume_constant_result  # traced code reads the answer, not the import
 def _triton_importable() -> bool:
     """Whether ``import triton`` works (tried once, on first use: not at package import)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if not _IMPORTABLE:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _IMPORTABLE.append(False)
+        else:
+            _IMPORTABLE.append(True)
+    return _IMPORTABLE[0]
 
 
 def available() -> bool:
-    """True when triton is importable and kernels can run (CUDA, or ``TRITON_INTERPRET=1``)."""
-    return _triton_importable() and (torch.cuda.is_available() or interpreting())
+    """True when triton is importable and kernels can run (CUDA, or ``TRITON_INTERPRET=1``,
+    or their reference inside ``cpu_reference()``)."""
+    return _triton_importable() and (
+        torch.cuda.is_available() or interpreting() or reference_on_cpu()
+    )
 
 
 def unsupported_reason(a, b, c, *, square: bool) -> str | None:

@@ -7,6 +7,7 @@ argument and the limit, so the dispatcher can show it when a user forces
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -19,6 +20,8 @@ __all__ = [
     "VALUE_DIMS",
     "DTYPES",
     "interpreting",
+    "cpu_reference",
+    "reference_on_cpu",
     "check_inputs",
     "check_decode_inputs",
 ]
@@ -37,8 +40,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+_REFERENCE: list[bool] = []  # non-empty inside ``cpu_reference()``
+
+
+@contextlib.contextmanager
+def cpu_reference():
+    """Within the block, the custom ops of the kernels (``custom_ops``) run their dense
+    PyTorch reference (``_reference``) on CPU tensors instead of the Triton interpreter, and
+    CPU tensors are accepted without ``TRITON_INTERPRET``: tracing and ``torch.compile`` of a
+    whole step with the kernels' ops on a machine without a GPU, where the interpreter takes
+    tens of seconds per call. CUDA tensors always run the kernels."""
+    _REFERENCE.append(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.pop()
+
+
+def reference_on_cpu() -> bool:
+    """True inside ``cpu_reference()``."""
+    return bool(_REFERENCE)
+
+
 def _device_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda or (interpreting() and x.device.type == "cpu")
+    return x.is_cuda or (x.device.type == "cpu" and (interpreting() or reference_on_cpu()))
 
 
 def _device_sentence(name: str) -> str:

@@ -1,4 +1,6 @@
-"""The autograd op over the Triton kernels: lt((A Bᵀ)^{∘q}) C and its row sums.
+"""The Triton kernels behind their Python entry points: lt((A Bᵀ)^{∘q}) C and its row sums,
+and the decode step: argument checks, the launch configuration, then the custom ops of
+``custom_ops`` (autograd, fake implementations: ``torch.compile`` captures them).
 
 Imported lazily by ``polysketch.ops.triton`` (it imports triton and defines the kernels).
 """
@@ -8,33 +10,12 @@ from __future__ import annotations
 import torch
 
 from ..pairs import state_dim
-from ._backward import backward
+from . import custom_ops
 from ._config import block_e, block_t, slice_groups
-from ._decode import decode
-from ._forward import forward
 from ._layout import LAYOUTS, choose_segment
 from ._validate import check_decode_inputs, check_inputs
 
 __all__ = ["lt_multiply_with_sums", "decode_step"]
-
-
-class _LtMultiplyWithSums(torch.autograd.Function):
-    """(num, row_sums) of flattened contiguous A, B (BH, T, F), C (BH, T, E); the backward
-    recomputes everything from the saved inputs (no state, score or feature is stored)."""
-
-    @staticmethod
-    def forward(ctx, a, b, c, square, bt, ns, segment):
-        num, rs = forward(a, b, c, square=square, bt=bt, ns=ns, segment=segment)
-        ctx.save_for_backward(a, b, c)
-        ctx.square, ctx.bt, ctx.ns, ctx.segment = square, bt, ns, segment
-        return num, rs
-
-    @staticmethod
-    def backward(ctx, dnum, drow):
-        a, b, c = ctx.saved_tensors
-        kw = dict(square=ctx.square, bt=ctx.bt, ns=ctx.ns, segment=ctx.segment)
-        da, db, dc = backward(a, b, c, dnum, drow, **kw)
-        return da.to(a.dtype), db.to(b.dtype), dc.to(c.dtype), None, None, None, None
 
 
 def _raise(problem) -> None:
@@ -76,7 +57,7 @@ def lt_multiply_with_sums(
         layout, bh=bh, t=t, f=f, e=e, bt=bt, grid=bh * -(-e // be) * groups, square=square,
         sms=sms, requested=segment_length,
     )  # fmt: skip
-    num, rs = _LtMultiplyWithSums.apply(*flat, square, bt, groups, segment)
+    num, rs = custom_ops.lt_multiply_with_sums(*flat, square, bt, groups, segment)
     return num.reshape(*lead, t, e), rs.reshape(*lead, t)
 
 
@@ -89,7 +70,7 @@ def decode_step(phi_q, phi_k, v, numerator, denominator, *, square: bool):
     vv = v.reshape(-1, e).contiguous()
     n = numerator.reshape(-1, fs, e).contiguous()
     z = denominator.reshape(-1, fs).contiguous()
-    num, den, n2, z2 = decode(q, k, vv, n, z, square=square)
+    num, den, n2, z2 = custom_ops.triton_decode_step(q, k, vv, n, z, square)
     return (
         num.reshape(*lead, 1, e),
         den.reshape(*lead, 1),
