@@ -82,7 +82,13 @@ def test_block_function_without_initial_or_final_state_is_bit_identical(square, 
     for initial, want_state in ((zero, True), (None, True), (None, False)):
         x, y, z = (t.clone().requires_grad_() for t in (a, b, c))
         out, state = blocks_lt_multiply(
-            x, y, z, square=square, chunk_size=16, initial=initial, group_bytes=group_bytes,
+            x,
+            y,
+            z,
+            square=square,
+            chunk_size=16,
+            initial=initial,
+            group_bytes=group_bytes,
             return_state=want_state,
         )
         assert (state is None) == (not want_state)

@@ -136,7 +136,7 @@ def test_bf16_autocast_step_is_one_graph_with_the_kernels(triton_on_cuda_path):
 
 
 def test_compile_keeps_chunked_blocks_in_auto_mode(monkeypatch):
-    """"auto" picks the kernels from ``TRITON_MIN_LENGTH`` tokens eagerly, but under
+    """ "auto" picks the kernels from ``TRITON_MIN_LENGTH`` tokens eagerly, but under
     ``torch.compile`` only in mode "on" (the compiled step was not timed both ways)."""
     monkeypatch.setattr(dispatch, "_TRITON_SWITCH", ["auto"])
     monkeypatch.setattr(dispatch, "TRITON_MIN_LENGTH", 16)
