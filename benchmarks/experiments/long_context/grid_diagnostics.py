@@ -22,7 +22,8 @@ branch's queries and keys as its core receives them (after the q/k LayerNorm and
   respect to the q and k rows of the global branch's projection, G_map the same with the
   surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
   forward pass is the same) and G_sur = G − G_map: ‖G_sur‖ / ‖G_map‖ and cos(G_sur, G_map);
-  0 and '' without a surrogate;
+  0 and '' without a surrogate. "Off" is every layer's surrogate (a later layer's surrogate
+  gradient reaches an earlier layer's projection through the residual stream);
 * ``global_rms``, ``window_rms``: the RMS over recurrence positions of the global branch's
   and the window branch's outputs (after their output projections; they are summed): how much
   of the attention output the global branch carries.
@@ -112,35 +113,39 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log()).sum(-1)
 
 
-def _qk_grad(model, block, inputs, targets) -> torch.Tensor:
-    """The gradient of the training loss for the q and k rows of ``block.attn.qkv``."""
+def _qk_grads(model, branches, inputs, targets) -> dict[int, torch.Tensor]:
+    """Per layer, the gradient of the training loss for the q and k rows of its global
+    branch's projection ``block.attn.qkv``."""
     model.zero_grad(set_to_none=True)
     _, loss = model(inputs, targets)
     loss.backward()
-    attn = block.attn
-    rows = attn._split[0] + attn._split[1]
-    grad = attn.qkv.weight.grad[:rows].detach().clone()
+    out = {}
+    for layer, block in branches:
+        attn = block.attn
+        out[layer] = attn.qkv.weight.grad[: attn._split[0] + attn._split[1]].detach().clone()
     model.zero_grad(set_to_none=True)
-    return grad
+    return out
 
 
 def _surrogate_share(model, branches, inputs, targets) -> dict[int, tuple[float, object]]:
-    """Per layer (‖G_sur‖ / ‖G_map‖, cos(G_sur, G_map)) (module docstring)."""
-    out = {}
-    for layer, block in branches:
-        lam = float(block.attn.gradient_surrogate or 0.0)
-        if lam == 0.0:
-            out[layer] = (0.0, "")
-            continue
-        total = _qk_grad(model, block, inputs, targets)
+    """Per layer (‖G_sur‖ / ‖G_map‖, cos(G_sur, G_map)), G_map with every surrogate of the
+    model off (module docstring)."""
+    lams = {layer: float(block.attn.gradient_surrogate or 0.0) for layer, block in branches}
+    if not any(lams.values()):
+        return {layer: (0.0, "") for layer in lams}
+    total = _qk_grads(model, branches, inputs, targets)
+    for _, block in branches:
         block.attn.gradient_surrogate = 0.0
-        try:
-            own = _qk_grad(model, block, inputs, targets)
-        finally:
-            block.attn.gradient_surrogate = lam
-        sur = total - own
-        norm_own, norm_sur = float(own.norm()), float(sur.norm())
-        cos = float((sur * own).sum()) / max(norm_own * norm_sur, 1e-30)
+    try:
+        own = _qk_grads(model, branches, inputs, targets)
+    finally:
+        for layer, block in branches:
+            block.attn.gradient_surrogate = lams[layer]
+    out = {}
+    for layer in lams:
+        sur = total[layer] - own[layer]
+        norm_own, norm_sur = float(own[layer].norm()), float(sur.norm())
+        cos = float((sur * own[layer]).sum()) / max(norm_own * norm_sur, 1e-30)
         out[layer] = (norm_sur / max(norm_own, 1e-30), cos)
     return out
 
@@ -192,7 +197,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
     for layer, block in branches:
         fm = block.attn.feature_map
         heads = _soft_hash_heads(fm)
-        q, k = stores[layer]["q"].float(), stores[layer]["k"].float()  # (B, H, T, D)
+        q, k = stores[layer]["q"], stores[layer]["k"]  # (B, H, T, D)
         with torch.no_grad():
             phi_q, phi_k = fm.query(q), fm.key(k)
         f = heads[0].num_features
