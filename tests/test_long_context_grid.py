@@ -94,13 +94,14 @@ def test_far_keys_and_source_weights_match_the_maps_kernel():
     queries, d = torch.tensor([20, 25, 33, 39]), 16
     with torch.no_grad():
         q, k = q.double(), k.double()
-        w, lift = source_weights(fm.query(q), fm.key(k), queries, d, 4)
+        w, lift, nxt = source_weights(fm.query(q), fm.key(k), queries, d, 4)
         s = fm.target_kernel(q, k)  # (40, 40), the map's own kernel (log space)
     for n, i in enumerate(queries.tolist()):
         far = [j for j in range(40) if j < (i // 4) * 4]
         expect = (s[i, i - d] + s[i, i + 1 - d]) / s[i, far].sum()
         assert w[n] == pytest.approx(float(expect), rel=1e-10)
         assert lift[n] == pytest.approx(float(expect) * len(far) / 2, rel=1e-10)
+        assert nxt[n] == pytest.approx(float(s[i, i + 1 - d] / s[i, far].sum()), rel=1e-10)
 
 
 def _tiny_preset(gradient_surrogate):
@@ -115,7 +116,7 @@ def test_diagnose_reads_the_global_branch_and_the_surrogates_share():
     assert [r["layer"] for r in rows[5.0]] == [0, 1]
     for r in rows[5.0]:
         assert 1.0 <= r["q_buckets"] <= 64 and 1.0 <= r["k_buckets"] <= r["k_usage"] <= 64
-        assert 0.0 < r["source_weight"] < 1.0 and r["source_lift"] > 0
+        assert 0.0 < r["next_weight"] < r["source_weight"] < 1.0 and r["source_lift"] > 0
         assert r["tau"] == pytest.approx(10.0)  # the preset's initial temperature
         assert r["global_rms"] > 0 and r["window_rms"] > 0
     # The surrogate is 0 in value, so the forward pass and the map's own gradient G_map do not

@@ -17,7 +17,9 @@ branch's queries and keys as its core receives them (after the q/k LayerNorm and
   "far" the keys the branch reads (``far_keys``: those of the completed blocks before i's,
   for ``soft_hash_far``; every j ≤ i otherwise), mean over queries;
   ``source_lift`` = mean of w_i · n_far(i) / 2: the weight on the source over a flat
-  kernel's (1 = no retrieval);
+  kernel's (1 = no retrieval); ``next_weight`` the part on j = i + 1 − d alone, the key whose
+  own token is the one to predict (i − d holds the current token again: a match of content
+  finds it, and only a later layer can turn it into the next token);
 * ``surrogate_ratio``, ``surrogate_cos``: with G the gradient of the training loss with
   respect to the q and k rows of the global branch's projection, G_map the same with the
   surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
@@ -45,7 +47,7 @@ __all__ = ["DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_we
 
 DIAG_COLUMNS = (
     "layer", "tau", "q_buckets", "k_buckets", "k_usage", "source_weight", "source_lift",
-    "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
+    "next_weight", "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
 )  # fmt: skip
 
 
@@ -81,16 +83,18 @@ def far_keys(n: int, chunk: int | None) -> torch.Tensor:
 
 
 def source_weights(phi_q, phi_k, queries, distance: int, chunk: int | None):
-    """(w, lift) per query: w_i = Σ_{j ∈ {i−d, i+1−d}} s_ij / Σ_{j far} s_ij and
-    w_i · n_far(i) / 2 (module docstring). phi_q, phi_k (T, F) of one window and head;
-    ``queries`` (Q,) positions with both sources among their far keys."""
+    """(w, lift, w_next) per query: w_i = Σ_{j ∈ {i−d, i+1−d}} s_ij / Σ_{j far} s_ij,
+    w_i · n_far(i) / 2 and s_{i, i+1−d} / Σ_{j far} s_ij (module docstring). phi_q, phi_k
+    (T, F) of one window and head; ``queries`` (Q,) positions with both sources among their
+    far keys."""
     s = phi_q[queries] @ phi_k.T  # (Q, T)
     mask = far_keys(phi_k.shape[0], chunk)[queries]
     s = s.masked_fill(~mask, 0.0)
     rows = torch.arange(len(queries))
-    src = s[rows, queries - distance] + s[rows, queries + 1 - distance]
-    w = src / s.sum(-1)
-    return w, w * mask.sum(-1) / 2
+    total = s.sum(-1)
+    nxt = s[rows, queries + 1 - distance] / total
+    w = s[rows, queries - distance] / total + nxt
+    return w, w * mask.sum(-1) / 2, nxt
 
 
 @contextlib.contextmanager
@@ -207,12 +211,14 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
         qs = positions[far[positions, src] & far[positions, src + 1]]
         if len(qs) == 0:
             raise ValueError(f"no recurrence has its source among layer {layer}'s far keys")
-        ws, lifts = [], []
+        ws, lifts, nexts = [], [], []
         for b in range(phi_q.shape[0]):
             for h in range(phi_q.shape[1]):
-                w, lift = source_weights(phi_q[b, h], phi_k[b, h], qs, distance, chunk[layer])
+                w, lift, nxt = source_weights(phi_q[b, h], phi_k[b, h], qs, distance,
+                                              chunk[layer])  # fmt: skip
                 ws.append(w)
                 lifts.append(lift)
+                nexts.append(nxt)
         mask = windows.second_mask
         g, wdw = outs[layer]["global"][:, mask], outs[layer]["window"][:, mask]
         ratio, cos = shares[layer]
@@ -224,6 +230,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
             "k_usage": math.exp(float(_entropy(phi_k.mean(dim=(0, 1, 2))))),
             "source_weight": float(torch.cat(ws).mean()),
             "source_lift": float(torch.cat(lifts).mean()),
+            "next_weight": float(torch.cat(nexts).mean()),
             "surrogate_ratio": ratio,
             "surrogate_cos": cos,
             "global_rms": float(g.pow(2).mean().sqrt()),

@@ -109,9 +109,13 @@ def _diag_steps(diag_rows, onset_step) -> list[int]:
     return sorted({steps[0], *(before[-1:]), *after})
 
 
+def _next(r) -> str:
+    return "" if r.get("next_weight", "") == "" else f" ({float(r['next_weight']):.2g})"
+
+
 def _diag_table(rows, diag) -> str:
     head = ("d", "schedule", "B", "seed", "attention", "onset", "step", "layer", "τ",
-            "q buckets", "k buckets", "k usage", "source weight", "source lift",
+            "q buckets", "k buckets", "k usage", "source weight (next)", "source lift",
             "surrogate ‖G_sur‖/‖G_map‖ (cos)", "global / window rms")  # fmt: skip
     body = []
     for s in rows:
@@ -125,7 +129,8 @@ def _diag_table(rows, diag) -> str:
                     f"`{s['attention']}`", s["onset"] or "none", step, r["layer"],
                     _num(r["tau"], ".2f"), _num(r["q_buckets"], ".1f"),
                     _num(r["k_buckets"], ".1f"), _num(r["k_usage"], ".0f"),
-                    fmt(float(r["source_weight"]), ".2g"), _num(r["source_lift"], ".2f"),
+                    fmt(float(r["source_weight"]), ".2g") + _next(r),
+                    _num(r["source_lift"], ".2f"),
                     _num(r["surrogate_ratio"], ".2f") + cos,
                     f"{float(r['global_rms']):.3g} / {float(r['window_rms']):.3g}",
                 ))  # fmt: skip
