@@ -195,3 +195,62 @@ def test_grid_refuses_bad_options(tmp_path, capsys):
         assert "long_context.py grid: error:" in capsys.readouterr().err
     assert not (tmp_path / "g").exists()
     assert math.isclose(ONSET_LOSS, math.log(26) / 2)
+
+
+def test_surrogate_schedule_parses_and_decays():
+    from experiments.long_context.surrogate_schedule import SurrogateSchedule, split_schedule
+
+    assert split_schedule("soft_hash_far_local") == ("soft_hash_far_local", None)
+    spec, sched = split_schedule("soft_hash_far_local:num_features=64@surrogate=200:50:300")
+    assert spec == "soft_hash_far_local:num_features=64,gradient_surrogate=200.0"
+    assert sched == SurrogateSchedule(200.0, 50.0, 300)
+    assert [sched.weight(t) for t in (0, 150, 300, 600)] == [200.0, 125.0, 50.0, 50.0]
+    assert sched.scale(150) == 125.0 / 200.0
+    assert split_schedule("soft_hash_far_local@surrogate=1:0:5")[0] == (
+        "soft_hash_far_local:gradient_surrogate=1.0"
+    )
+    for bad in ("x@surrogate=1:2", "x@surrogate=0:1:5", "x:gradient_surrogate=1@surrogate=1:0:5"):
+        with pytest.raises(ValueError, match="surrogate"):
+            split_schedule(bad)
+
+
+def test_scaled_surrogate_scales_the_surrogates_gradient_only():
+    """One layer: G(s) = G_map + s·λ·G_1 exactly (fp64), the outputs unchanged; the class's
+    method is restored after the block."""
+    from experiments.long_context.grid_diagnostics import _qk_grads, global_branches
+    from experiments.long_context.surrogate_schedule import Scale, scaled_surrogate
+
+    from polysketch.nn.core import AttentionCore
+
+    settings = ProbeSettings(n_layer=1, n_embd=32, n_head=2, chunk_size=8, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
+    x, y = windows.inputs, windows.targets
+    branches = global_branches(model)
+    original = AttentionCore._gradient_surrogate
+    grads, losses = {}, {}
+    for s in (0.0, 1.0, 0.25):
+        with scaled_surrogate(Scale(s)):
+            grads[s] = _qk_grads(model, branches, x, y)[0]
+            losses[s] = float(model(x, y)[1].detach())
+    assert AttentionCore._gradient_surrogate is original
+    assert losses[0.0] == losses[1.0] == losses[0.25]
+    unscaled = _qk_grads(model, branches, x, y)[0]
+    assert torch.equal(unscaled, grads[1.0])
+    expect = grads[0.0] + 0.25 * (grads[1.0] - grads[0.0])
+    assert torch.allclose(grads[0.25], expect, rtol=0, atol=1e-12 * float(grads[1.0].abs().max()))
+
+
+def test_grid_runs_a_surrogate_schedule_from_its_evaluations(tmp_path):
+    """λ = 100 then 10 from step 2 (evaluations every 2 steps) against λ = 100 throughout:
+    equal at step 2, not at step 4."""
+    out = tmp_path / "grid"
+    base = "soft_hash_far_local:num_features=64"
+    argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
+            "--schedules", "constant", "--attentions", f"{base},gradient_surrogate=100.0",
+            f"{base}@surrogate=100:10:2"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    curve = {(r["attention"].partition("@")[2], int(r["step"])): r
+             for r in _rows(out / "grid_curve.csv")}  # fmt: skip
+    assert curve[("", 2)]["second"] == curve[("surrogate=100:10:2", 2)]["second"]
+    assert curve[("", 4)]["second"] != curve[("surrogate=100:10:2", 4)]["second"]

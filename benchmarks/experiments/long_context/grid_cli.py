@@ -18,6 +18,7 @@ new distances, schedules, batch sizes, seeds or attentions (the cells already in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from .probe_training import ProbeSettings, model_config, run_label, train_model
 from .repeat_cli import probe_data
 from .repeat_probe import split_losses, token_losses
 from .report import ResultCSV
+from .surrogate_schedule import Scale, scaled_surrogate, split_schedule
 
 __all__ = ["register", "COLUMNS", "CURVE_COLUMNS", "SMOKE"]
 
@@ -179,7 +181,9 @@ def _same_cell(row, cell) -> bool:
 def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     """Train and probe one cell (module docstring); returns its ``grid.csv`` row."""
     train_data, factual, _ = data
-    spec, is_ref = cell["attention"], cell["attention"] == REFERENCE
+    spec, schedule = split_schedule(cell["attention"])
+    is_ref = cell["attention"] == REFERENCE
+    scale = Scale()
     ref_onset = None
     if not is_ref:
         ref = {**cell, "attention": REFERENCE}
@@ -209,27 +213,35 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         else:
             point = next(p for p in tables.curve.rows if _same_cell(p, cell)
                          and int(p["step"]) == step)  # fmt: skip
+        if schedule is not None:  # λ of the steps after this one
+            scale.value = schedule.scale(step)
         if stops(point):
             state["stop"] = step
             return True
         return False
 
     init = TransformerLM(mcfg)
-    record(init, 0)
-    done = sorted((p for p in tables.curve.rows if _same_cell(p, cell)),
-                  key=lambda p: int(p["step"]))  # fmt: skip
-    stopped_before = next((p for p in done if stops(p)), None)
-    train_s = ""
-    if stopped_before is not None:  # a run that stopped in an earlier session
-        state["stop"] = int(stopped_before["step"])
-    else:
-        run_dir = Path(runs) / run_label(spec, f"d{cell['distance']}", cell["schedule"],
-                                   f"b{cell['batch_size']}", f"seed{cell['seed']}")  # fmt: skip
-        model, facts = train_model(spec, train_data, ps, run_dir, progress=not args.no_progress,
-                                   probe_every=opts["probe_every"], on_probe=record)  # fmt: skip
-        if state["stop"] is None:
-            record(model, facts["steps"])
-        train_s = facts["train_s"]
+    with scaled_surrogate(scale) if schedule else contextlib.nullcontext():
+        record(init, 0)
+        done = sorted((p for p in tables.curve.rows if _same_cell(p, cell)),
+                      key=lambda p: int(p["step"]))  # fmt: skip
+        if schedule is not None:  # a resumed run continues from its last evaluation
+            scale.value = schedule.scale(int(done[-1]["step"]))
+        stopped_before = next((p for p in done if stops(p)), None)
+        run_dir = Path(runs) / run_label(cell["attention"], f"d{cell['distance']}",
+                                         cell["schedule"], f"b{cell['batch_size']}",
+                                         f"seed{cell['seed']}")  # fmt: skip
+        train_s = ""
+        if stopped_before is not None:  # a run that stopped in an earlier session
+            state["stop"] = int(stopped_before["step"])
+        else:
+            model, facts = train_model(
+                spec, train_data, ps, run_dir, progress=not args.no_progress,
+                probe_every=opts["probe_every"], on_probe=record,
+            )  # fmt: skip
+            if state["stop"] is None:
+                record(model, facts["steps"])
+            train_s = facts["train_s"]
     curve = sorted((p for p in tables.curve.rows if _same_cell(p, cell)),
                    key=lambda p: int(p["step"]))  # fmt: skip
     if state["stop"] is not None:
