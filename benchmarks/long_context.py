@@ -11,6 +11,8 @@ Sub-commands (``python benchmarks/long_context.py CMD --help``):
   positions   loss by position bucket on long documents; extrapolation past the train length
   mqar        long-range MQAR: every query farther from its key than any exact local window
   timing      seconds per training step of the planned model sizes, per attention
+  grid        the copy probe over distances × schedules × batch sizes × seeds (issue 44):
+              softmax's onset, a candidate's gain at 1.5× it and at the budget, ablated
 
 The experiments live in ``benchmarks/experiments/long_context/``.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from experiments.long_context import (  # noqa: E402
+    grid_cli,
     mqar_cli,
     positions_cli,
     repeat_cli,
@@ -39,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli):
+    for module in (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli, grid_cli):
         module.register(sub)
     return parser
 

@@ -192,3 +192,31 @@ def test_train_model_reuses_a_run_saved_before_a_config_field_existed(tmp_path):
     save_checkpoint(path, state)
     with pytest.raises(ValueError, match="another model"):
         train_model("psf_random", data, settings, tmp_path / "run", progress=False)
+
+
+def test_train_model_stops_where_on_probe_says_and_the_run_is_a_prefix(tmp_path):
+    """on_probe returning True stops after that segment: the weights are those of the full
+    run at that step (the schedule spans ``steps`` either way)."""
+    from experiments.long_context.probe_training import ProbeSettings, train_model
+
+    data = _tiny_data()
+    settings = ProbeSettings(n_layer=1, n_embd=16, n_head=2, chunk_size=8, context=32,
+                             batch_size=2, steps=6, warmup_steps=1, schedule="cosine")  # fmt: skip
+    seen, at_two = [], {}
+
+    def on_probe(model, step):
+        seen.append(step)
+        return step == 2
+
+    stopped, facts = train_model("psf_random", data, settings, tmp_path / "stop", progress=False,
+                                 probe_every=1, on_probe=on_probe)  # fmt: skip
+    assert seen == [1, 2] and facts["steps"] == 2 and not facts["reused"]
+
+    def keep(model, step):
+        if step == 2:
+            at_two.update({k: v.clone() for k, v in model.state_dict().items()})
+
+    train_model("psf_random", data, settings, tmp_path / "full", progress=False, probe_every=1,
+                on_probe=keep)  # fmt: skip
+    for name, value in stopped.state_dict().items():
+        assert torch.equal(value, at_two[name])

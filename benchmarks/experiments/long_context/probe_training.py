@@ -183,9 +183,11 @@ def train_model(
     ``probe_every`` = n trains in segments of n steps (``train(..., stop_after=)``, the
     schedule still spanning ``settings.steps``) and calls ``on_probe(model, step)`` after each
     segment that ends before the last step (segments a resumed run already passed are not
-    repeated). Facts: ``train_s`` (seconds of training steps over the run's history),
-    ``steps``, ``s_per_step``, ``reused`` (True when a finished checkpoint was loaded) and the
-    final training loss ``train_loss``.
+    repeated). If ``on_probe`` returns a true value, training stops there (the checkpoint
+    holds that step; the schedule is still the one of ``settings.steps``, so the run is a
+    prefix of the full one). Facts: ``train_s`` (seconds of training steps over the run's
+    history), ``steps`` (the last step trained), ``s_per_step``, ``reused`` (True when a
+    finished checkpoint was loaded) and the final training loss ``train_loss``.
     """
     from polysketch.nn import TransformerLM
 
@@ -209,7 +211,8 @@ def train_model(
             history = train(mcfg, tcfg, data, resume=path.is_file(), progress=progress,
                             metadata=metadata, stop_after=stop)  # fmt: skip
             if stop < settings.steps and on_probe is not None:
-                on_probe(history["model"].eval(), stop)
+                if on_probe(history["model"].eval(), stop):
+                    break
         model, reused = history["model"], False
     steps = history["train"][-1]["step"]
     train_s = history["train"][-1]["elapsed_s"]

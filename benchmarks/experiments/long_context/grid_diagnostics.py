@@ -1,0 +1,247 @@
+"""What the global head sees before the copy starts (issue 44 item 2), per layer.
+
+For a ``TransformerLM`` whose blocks have a soft-hash global branch beside a window
+(``soft_hash_far_local``, ``soft_hash_local``), on repeat-probe windows (passages recurring
+d tokens later) and the queries i of recurrences (``second_mask``), with q_i, k_j the global
+branch's queries and keys as its core receives them (after the q/k LayerNorm and RoPE) and
+φ = the map's bucket probabilities (``feature_map.query`` / ``key``):
+
+* ``tau``: the map's temperature τ (mean over the branch's heads);
+* ``q_buckets``, ``k_buckets``: exp of the mean entropy −Σ_f φ_f log φ_f of a query's / key's
+  bucket distribution (the effective number of buckets one token sits on; F when uniform,
+  1 when hard);
+* ``k_usage``: exp of the entropy of the keys' mean distribution (how many buckets the keys
+  fill together);
+* ``source_weight``: the attention weight of query i on the two keys j ∈ {i − d, i + 1 − d}
+  its copy comes from, w_i = Σ_src s_ij / Σ_{j far} s_ij with s_ij = φq(q_i)·φk(k_j) and
+  "far" the keys the branch reads (``far_keys``: those of the completed blocks before i's,
+  for ``soft_hash_far``; every j ≤ i otherwise), mean over queries;
+  ``source_lift`` = mean of w_i · n_far(i) / 2: the weight on the source over a flat
+  kernel's (1 = no retrieval); ``next_weight`` the part on j = i + 1 − d alone, the key whose
+  own token is the one to predict (i − d holds the current token again: a match of content
+  finds it, and only a later layer can turn it into the next token);
+* ``surrogate_ratio``, ``surrogate_cos``: with G the gradient of the training loss with
+  respect to the q and k rows of the global branch's projection, G_map the same with the
+  surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
+  forward pass is the same) and G_sur = G − G_map: ‖G_sur‖ / ‖G_map‖ and cos(G_sur, G_map);
+  0 and '' without a surrogate. "Off" is every layer's surrogate (a later layer's surrogate
+  gradient reaches an earlier layer's projection through the residual stream);
+* ``global_rms``, ``window_rms``: the RMS over recurrence positions of the global branch's
+  and the window branch's outputs (after their output projections; they are summed): how much
+  of the attention output the global branch carries.
+
+``diagnose(model, windows, distance)`` returns one dict per layer with a soft-hash global
+branch ([] for any other model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from polysketch.features.soft_hash import SoftHashFeatureMap
+
+__all__ = ["DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_weights"]
+
+DIAG_COLUMNS = (
+    "layer", "tau", "q_buckets", "k_buckets", "k_usage", "source_weight", "source_lift",
+    "next_weight", "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
+)  # fmt: skip
+
+
+def global_branches(model) -> list[tuple[int, object]]:
+    """(layer index, block) for each block whose global branch is a soft-hash attention
+    beside a window (unshared projections)."""
+    out = []
+    for i, block in enumerate(getattr(model, "blocks", [])):
+        attn = getattr(block, "attn", None)
+        if (getattr(block, "local_attn", None) is not None and not block.shared
+                and _soft_hash_heads(getattr(attn, "feature_map", None))):  # fmt: skip
+            out.append((i, block))
+    return out
+
+
+def _soft_hash_heads(fm) -> list[SoftHashFeatureMap]:
+    """The per-head soft-hash maps of a core's feature map ([] for another map)."""
+    if isinstance(fm, SoftHashFeatureMap):
+        return [fm]
+    if getattr(fm, "name", None) == "soft_hash" and hasattr(fm, "head_map"):
+        return [fm.head_map(h) for h in range(fm.num_heads)]
+    return []
+
+
+def far_keys(n: int, chunk: int | None) -> torch.Tensor:
+    """(n, n) bool: key j is read by query i through the global branch (j < the start of i's
+    block of ``chunk`` for a far-blocks-only branch; j ≤ i when ``chunk`` is None)."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    if chunk is None:
+        return j <= i
+    return j < (i // chunk) * chunk
+
+
+def source_weights(phi_q, phi_k, queries, distance: int, chunk: int | None):
+    """(w, lift, w_next) per query: w_i = Σ_{j ∈ {i−d, i+1−d}} s_ij / Σ_{j far} s_ij,
+    w_i · n_far(i) / 2 and s_{i, i+1−d} / Σ_{j far} s_ij (module docstring). phi_q, phi_k
+    (T, F) of one window and head; ``queries`` (Q,) positions with both sources among their
+    far keys."""
+    s = phi_q[queries] @ phi_k.T  # (Q, T)
+    mask = far_keys(phi_k.shape[0], chunk)[queries]
+    s = s.masked_fill(~mask, 0.0)
+    rows = torch.arange(len(queries))
+    total = s.sum(-1)
+    nxt = s[rows, queries + 1 - distance] / total
+    w = s[rows, queries - distance] / total + nxt
+    return w, w * mask.sum(-1) / 2, nxt
+
+
+@contextlib.contextmanager
+def _captured(attn, store: dict):
+    """Within the block, ``attn``'s core records the q and k it attends with."""
+    inner = attn.attend
+
+    def attend(q, k, v, **kw):
+        store["q"], store["k"] = q.detach(), k.detach()
+        return inner(q, k, v, **kw)
+
+    attn.attend = attend
+    try:
+        yield
+    finally:
+        del attn.attend
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * p.clamp_min(1e-30).log()).sum(-1)
+
+
+def _qk_grads(model, branches, inputs, targets) -> dict[int, torch.Tensor]:
+    """Per layer, the gradient of the training loss for the q and k rows of its global
+    branch's projection ``block.attn.qkv``."""
+    model.zero_grad(set_to_none=True)
+    _, loss = model(inputs, targets)
+    loss.backward()
+    out = {}
+    for layer, block in branches:
+        attn = block.attn
+        out[layer] = attn.qkv.weight.grad[: attn._split[0] + attn._split[1]].detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _surrogate_share(model, branches, inputs, targets) -> dict[int, tuple[float, object]]:
+    """Per layer (‖G_sur‖ / ‖G_map‖, cos(G_sur, G_map)), G_map with every surrogate of the
+    model off (module docstring)."""
+    lams = {layer: float(block.attn.gradient_surrogate or 0.0) for layer, block in branches}
+    if not any(lams.values()):
+        return {layer: (0.0, "") for layer in lams}
+    total = _qk_grads(model, branches, inputs, targets)
+    for _, block in branches:
+        block.attn.gradient_surrogate = 0.0
+    try:
+        own = _qk_grads(model, branches, inputs, targets)
+    finally:
+        for layer, block in branches:
+            block.attn.gradient_surrogate = lams[layer]
+    out = {}
+    for layer in lams:
+        sur = total[layer] - own[layer]
+        norm_own, norm_sur = float(own[layer].norm()), float(sur.norm())
+        cos = float((sur * own[layer]).sum()) / max(norm_own * norm_sur, 1e-30)
+        out[layer] = (norm_sur / max(norm_own, 1e-30), cos)
+    return out
+
+
+def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: int = 256,
+             seed: int = 0) -> list[dict]:  # fmt: skip
+    """One dict of ``DIAG_COLUMNS`` per layer with a soft-hash global branch (module
+    docstring), on the first ``num_windows`` of ``windows`` (a ``RepeatSet``) and up to
+    ``queries`` recurrence positions per window (a seeded sample, the same for every layer).
+    The model's train/eval mode and gradients are left as found."""
+    branches = global_branches(model)
+    if not branches:
+        return []
+    if distance < 1:
+        raise ValueError(f"distance must be >= 1, got {distance}")
+    inputs = windows.inputs[:num_windows]
+    targets = windows.targets[:num_windows]
+    positions = torch.nonzero(windows.second_mask).flatten()
+    positions = positions[positions - distance >= 0]
+    chunk = {layer: _far_chunk(block.attn) for layer, block in branches}
+    if len(positions) == 0:
+        raise ValueError("windows hold no recurrence with its source inside the window")
+    gen = torch.Generator().manual_seed(seed)
+    if len(positions) > queries:
+        positions = positions[torch.randperm(len(positions), generator=gen)[:queries]]
+    was_training = model.training
+    model.eval()  # no dropout: the two gradients differ by the surrogate only
+    try:
+        shares = _surrogate_share(model, branches, inputs, targets)
+        stores = {layer: {} for layer, _ in branches}
+        outs = {layer: {} for layer, _ in branches}
+        hooks = []
+        for layer, block in branches:
+            for name, module in (("global", block.attn), ("window", block.local_attn)):
+
+                def keep(mod, inp, out, into=outs[layer], name=name):
+                    into[name] = out.detach()
+
+                hooks.append(module.register_forward_hook(keep))
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            for layer, block in branches:
+                stack.enter_context(_captured(block.attn, stores[layer]))
+            model(inputs)
+        for h in hooks:
+            h.remove()
+    finally:
+        model.train(was_training)
+    rows = []
+    for layer, block in branches:
+        fm = block.attn.feature_map
+        heads = _soft_hash_heads(fm)
+        q, k = stores[layer]["q"], stores[layer]["k"]  # (B, H, T, D)
+        with torch.no_grad():
+            phi_q, phi_k = fm.query(q), fm.key(k)
+        f = heads[0].num_features
+        phi_q, phi_k = phi_q[..., :f], phi_k[..., :f]  # the buckets (no linear term)
+        far = far_keys(windows.inputs.shape[1], chunk[layer])
+        src = positions - distance
+        qs = positions[far[positions, src] & far[positions, src + 1]]
+        if len(qs) == 0:
+            raise ValueError(f"no recurrence has its source among layer {layer}'s far keys")
+        ws, lifts, nexts = [], [], []
+        for b in range(phi_q.shape[0]):
+            for h in range(phi_q.shape[1]):
+                w, lift, nxt = source_weights(phi_q[b, h], phi_k[b, h], qs, distance,
+                                              chunk[layer])  # fmt: skip
+                ws.append(w)
+                lifts.append(lift)
+                nexts.append(nxt)
+        mask = windows.second_mask
+        g, wdw = outs[layer]["global"][:, mask], outs[layer]["window"][:, mask]
+        ratio, cos = shares[layer]
+        rows.append({
+            "layer": layer,
+            "tau": sum(m.temperature for m in heads) / len(heads),
+            "q_buckets": math.exp(float(_entropy(phi_q).mean())),
+            "k_buckets": math.exp(float(_entropy(phi_k).mean())),
+            "k_usage": math.exp(float(_entropy(phi_k.mean(dim=(0, 1, 2))))),
+            "source_weight": float(torch.cat(ws).mean()),
+            "source_lift": float(torch.cat(lifts).mean()),
+            "next_weight": float(torch.cat(nexts).mean()),
+            "surrogate_ratio": ratio,
+            "surrogate_cos": cos,
+            "global_rms": float(g.pow(2).mean().sqrt()),
+            "window_rms": float(wdw.pow(2).mean().sqrt()),
+        })  # fmt: skip
+    return rows
+
+
+def _far_chunk(attn) -> int | None:
+    """The block length of a far-blocks-only (``local='none'``) global core, else None."""
+    spec = getattr(attn, "spec", None)
+    if spec is not None and spec.algorithm == "mixed" and spec.local == "none":
+        return int(attn.chunk_size)
+    return None

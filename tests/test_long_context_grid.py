@@ -1,0 +1,256 @@
+"""benchmarks/long_context.py grid (issue 44): cell logic, diagnostics, smoke run, resumption."""
+
+import csv
+import math
+
+import long_context
+import pytest
+import torch
+from experiments.long_context.grid import (
+    LN26,
+    ONSET_LOSS,
+    cell_summary,
+    copied,
+    onset,
+    schedule_options,
+    value_at,
+)
+from experiments.long_context.grid_diagnostics import diagnose, far_keys, source_weights
+from experiments.long_context.probe_training import ProbeSettings, model_config
+
+from polysketch.data.repeat import RepeatConfig, make_repeat
+from polysketch.features import create
+from polysketch.nn import TransformerLM
+from polysketch.train import TrainConfig
+
+
+def _curve(points):
+    """[(step, second, gain, ablated_gain)] -> curve rows as the CSV reads back."""
+    return [{"step": s, "first": LN26, "second": sec, "gain": g, "ablated_gain": a}
+            for s, sec, g, a in points]  # fmt: skip
+
+
+def test_schedules_are_the_cli_defaults_and_the_probes_constant():
+    cli = schedule_options("cli")
+    d = TrainConfig()
+    assert (cli["lr"], cli["min_lr"], cli["warmup_steps"]) == (d.lr, d.min_lr, d.warmup_steps)
+    assert cli["schedule"] == "cosine"
+    const = ProbeSettings(**schedule_options("constant"))
+    assert const.schedule == "constant" and const.final_lr == const.lr == 1e-3
+    assert const.warmup_steps == 50
+    with pytest.raises(ValueError, match="schedule"):
+        schedule_options("linear")
+
+
+def test_onset_and_values_read_at_the_last_evaluation_before_a_step():
+    curve = _curve([(50, 3.2, 0.0, 0.0), (0, 3.3, 0.0, 0.0), (100, 1.7, 1.5, 0.01),
+                    (150, ONSET_LOSS - 1e-6, 1.7, 0.02), (200, 0.1, 3.1, "")])  # fmt: skip
+    assert onset(curve) == 150  # 1.7 is not below ln 26 / 2; unsorted input is sorted
+    assert onset(curve[:3]) is None
+    assert value_at(curve, 199.9, "gain") == (150, 1.7)
+    assert value_at(curve, 200, "gain") == (200, 3.1)
+    assert value_at(curve, 200, "ablated_gain") is None  # empty there
+    assert value_at(curve, -1, "gain") is None
+
+
+def test_copied_needs_the_gain_and_for_a_candidate_1_5x_softmaxs_onset():
+    big = 0.96 * LN26
+    assert copied(big, 100, fraction=0.95, reference_onset=None, is_reference=True)
+    assert not copied(0.94 * LN26, 100, fraction=0.95, reference_onset=None, is_reference=True)
+    assert not copied(big, 100, fraction=0.95, reference_onset=None, is_reference=False)
+    assert not copied(big, 149, fraction=0.95, reference_onset=100, is_reference=False)
+    assert copied(big, 150, fraction=0.95, reference_onset=100, is_reference=False)
+    with pytest.raises(ValueError, match="fraction"):
+        copied(big, 1, fraction=0.0, reference_onset=1, is_reference=True)
+
+
+def test_cell_summary_against_softmax():
+    ref = _curve([(0, 3.3, 0, ""), (100, 2.0, 1.2, ""), (150, 0.5, 2.8, ""), (200, 0.1, 3.2, "")])
+    # onset 150 -> 1.5x = 225: read at 200
+    good = _curve([(0, 3.3, 0, 0), (200, 1.0, 2.2, 0.01), (300, 0.1, 3.1, 0.0)])
+    s = cell_summary(ref, good)
+    assert (s["ref_onset"], s["at"], s["at_step"], s["onset"]) == (150, 225.0, 200, 200)
+    assert s["gain_at"] == 2.2 and s["ratio_at"] == pytest.approx(2.2 / 3.2) and s["passes"]
+    assert (s["last_step"], s["gain_last"], s["ablated_last"]) == (300, 3.1, 0.0)
+    late = _curve([(0, 3.3, 0, 0), (200, 3.0, 0.2, 0.0), (300, 0.1, 3.1, 0.0)])
+    assert cell_summary(ref, late)["passes"] is False
+    not_global = _curve([(0, 3.3, 0, 0), (200, 1.0, 2.2, 0.5)])  # the window copies: no
+    assert cell_summary(ref, not_global)["passes"] is False
+    no_ref = cell_summary(ref[:2], good)  # softmax without an onset: not counted
+    assert no_ref["ref_onset"] is None and no_ref["passes"] is None
+    with pytest.raises(ValueError, match="evaluation"):
+        cell_summary([], good)
+
+
+def test_far_keys_and_source_weights_match_the_maps_kernel():
+    assert far_keys(4, None).tolist() == torch.ones(4, 4).tril().bool().tolist()
+    blocks = far_keys(6, 2)  # query 3 (block 1) reads keys 0, 1; query 5 reads 0–3
+    assert blocks[3].tolist() == [True, True, False, False, False, False]
+    assert blocks[5].tolist() == [True, True, True, True, False, False]
+    assert not blocks[1].any()
+    fm = create("soft_hash", 8, num_features=16, temperature=2.0, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    queries, d = torch.tensor([20, 25, 33, 39]), 16
+    with torch.no_grad():
+        q, k = q.double(), k.double()
+        w, lift, nxt = source_weights(fm.query(q), fm.key(k), queries, d, 4)
+        s = fm.target_kernel(q, k)  # (40, 40), the map's own kernel (log space)
+    for n, i in enumerate(queries.tolist()):
+        far = [j for j in range(40) if j < (i // 4) * 4]
+        expect = (s[i, i - d] + s[i, i + 1 - d]) / s[i, far].sum()
+        assert w[n] == pytest.approx(float(expect), rel=1e-10)
+        assert lift[n] == pytest.approx(float(expect) * len(far) / 2, rel=1e-10)
+        assert nxt[n] == pytest.approx(float(s[i, i + 1 - d] / s[i, far].sum()), rel=1e-10)
+
+
+def _tiny_preset(gradient_surrogate):
+    settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
+    spec = f"soft_hash_far_local:num_features=64,gradient_surrogate={gradient_surrogate}"
+    return TransformerLM(model_config(spec, settings)).double()
+
+
+def test_diagnose_reads_the_global_branch_and_the_surrogates_share():
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 3, seed=0)
+    rows = {lam: diagnose(_tiny_preset(lam), windows, 32) for lam in (0.0, 5.0, 10.0)}
+    assert [r["layer"] for r in rows[5.0]] == [0, 1]
+    for r in rows[5.0]:
+        assert 1.0 <= r["q_buckets"] <= 64 and 1.0 <= r["k_buckets"] <= r["k_usage"] <= 64
+        assert 0.0 < r["next_weight"] < r["source_weight"] < 1.0 and r["source_lift"] > 0
+        assert r["tau"] == pytest.approx(10.0)  # the preset's initial temperature
+        assert r["global_rms"] > 0 and r["window_rms"] > 0
+    # The surrogate is 0 in value, so the forward pass and the map's own gradient G_map do not
+    # depend on λ. In the last layer G = G_map + λ·G_1 (G_sur linear in λ); an earlier layer's
+    # surrogate also scales the later layers' surrogate gradient that reaches it, so there
+    # G_sur = λ·G_1 + λ²·G_2. In fp64 the difference G − G_map loses ≈ 1e-16 · ‖G‖ / ‖G_sur‖
+    # relatively (the ratios are O(0.1–10)).
+    for r0, r5 in zip(rows[0.0], rows[5.0], strict=True):
+        assert r0["surrogate_ratio"] == 0.0 and r0["surrogate_cos"] == ""
+        assert 0.0 < r5["surrogate_ratio"] < 1e3
+        assert r0["source_weight"] == r5["source_weight"]  # same weights (λ is training-only)
+    last5, last10 = rows[5.0][-1], rows[10.0][-1]
+    assert last10["surrogate_ratio"] == pytest.approx(2 * last5["surrogate_ratio"], rel=1e-9)
+    assert last10["surrogate_cos"] == pytest.approx(last5["surrogate_cos"], abs=1e-9)
+    first5, first10 = rows[5.0][0], rows[10.0][0]
+    assert first10["surrogate_ratio"] != pytest.approx(2 * first5["surrogate_ratio"], rel=1e-6)
+    softmax = TransformerLM(model_config("softmax", ProbeSettings(n_layer=1, n_embd=32,
+                                                                  context=64)))  # fmt: skip
+    assert diagnose(softmax, windows, 32) == []
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_grid_smoke_writes_its_tables_and_resumes(tmp_path, capsys):
+    out = tmp_path / "grid"
+    argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
+            "--attentions", "soft_hash_far_local:num_features=64", "softmax"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    for name in ("grid.csv", "grid_curve.csv", "grid_diag.csv", "grid.md", "grid.png"):
+        assert (out / name).stat().st_size > 0
+    cells = _rows(out / "grid.csv")
+    # both schedules; softmax first in each (it sets the others' 1.5x onset)
+    assert [(r["schedule"], r["attention"]) for r in cells] == [
+        ("cli", "softmax"), ("cli", "soft_hash_far_local:num_features=64"),
+        ("constant", "softmax"), ("constant", "soft_hash_far_local:num_features=64")]  # fmt: skip
+    curve = _rows(out / "grid_curve.csv")
+    assert sorted({int(r["step"]) for r in curve}) == [0, 2, 4]  # init, every 2, the budget
+    preset = [r for r in curve if r["attention"] != "softmax"]
+    assert all(r["ablated_gain"] != "" for r in preset)
+    assert all(r["ablated_gain"] == "" for r in curve if r["attention"] == "softmax")
+    diag = _rows(out / "grid_diag.csv")
+    assert {(r["schedule"], int(r["step"])) for r in diag} == {
+        (s, t) for s in ("cli", "constant") for t in (0, 2, 4)
+    }
+    for r in cells:
+        assert r["stopped"] == "budget" and int(r["last_step"]) == 4 and r["budget"] == "4"
+        mine = [p for p in curve if p["attention"] == r["attention"]
+                and p["schedule"] == r["schedule"] and p["step"] == "4"]  # fmt: skip
+        assert float(r["gain"]) == float(mine[0]["gain"])
+    md = (out / "grid.md").read_text()
+    assert "long_context.py grid" in md and "Every candidate cell" in md and "τ" in md
+    capsys.readouterr()
+    assert long_context.main([*argv, "--reuse"]) == 0  # nothing new to measure
+    assert _rows(out / "grid.csv") == cells and _rows(out / "grid_curve.csv") == curve
+    assert long_context.main(argv) == 2  # an existing table is not overwritten
+    assert "long_context.py grid: error:" in capsys.readouterr().err
+    # a larger grid continues the same tables: only the new cell is trained
+    more_argv = [*argv[:-3], "--reuse", "--schedules", "constant", "--seeds", "0", "1",
+                 "--attentions", "softmax"]  # fmt: skip
+    assert long_context.main(more_argv) == 0
+    more = _rows(out / "grid.csv")
+    assert more[: len(cells)] == cells
+    assert [(r["schedule"], r["seed"], r["attention"]) for r in more[len(cells) :]] == [
+        ("constant", "1", "softmax")
+    ]
+
+
+def test_grid_refuses_bad_options(tmp_path, capsys):
+    base = ["grid", "--no-progress", "--out", str(tmp_path / "g")]
+    for bad in (["--steps", "0"], ["--stop-fraction", "1.5"], ["--distances", "1"],
+                ["--diagnose-every", "-1"]):  # fmt: skip
+        assert long_context.main([*base, *bad]) == 2
+        assert "long_context.py grid: error:" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
+    assert math.isclose(ONSET_LOSS, math.log(26) / 2)
+
+
+def test_surrogate_schedule_parses_and_decays():
+    from experiments.long_context.surrogate_schedule import SurrogateSchedule, split_schedule
+
+    assert split_schedule("soft_hash_far_local") == ("soft_hash_far_local", None)
+    spec, sched = split_schedule("soft_hash_far_local:num_features=64@surrogate=200:50:300")
+    assert spec == "soft_hash_far_local:num_features=64,gradient_surrogate=200.0"
+    assert sched == SurrogateSchedule(200.0, 50.0, 300)
+    assert [sched.weight(t) for t in (0, 150, 300, 600)] == [200.0, 125.0, 50.0, 50.0]
+    assert sched.scale(150) == 125.0 / 200.0
+    assert split_schedule("soft_hash_far_local@surrogate=1:0:5")[0] == (
+        "soft_hash_far_local:gradient_surrogate=1.0"
+    )
+    for bad in ("x@surrogate=1:2", "x@surrogate=0:1:5", "x:gradient_surrogate=1@surrogate=1:0:5"):
+        with pytest.raises(ValueError, match="surrogate"):
+            split_schedule(bad)
+
+
+def test_scaled_surrogate_scales_the_surrogates_gradient_only():
+    """One layer: G(s) = G_map + s·λ·G_1 exactly (fp64), the outputs unchanged; the class's
+    method is restored after the block."""
+    from experiments.long_context.grid_diagnostics import _qk_grads, global_branches
+    from experiments.long_context.surrogate_schedule import Scale, scaled_surrogate
+
+    from polysketch.nn.core import AttentionCore
+
+    settings = ProbeSettings(n_layer=1, n_embd=32, n_head=2, chunk_size=8, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
+    x, y = windows.inputs, windows.targets
+    branches = global_branches(model)
+    original = AttentionCore._gradient_surrogate
+    grads, losses = {}, {}
+    for s in (0.0, 1.0, 0.25):
+        with scaled_surrogate(Scale(s)):
+            grads[s] = _qk_grads(model, branches, x, y)[0]
+            losses[s] = float(model(x, y)[1].detach())
+    assert AttentionCore._gradient_surrogate is original
+    assert losses[0.0] == losses[1.0] == losses[0.25]
+    unscaled = _qk_grads(model, branches, x, y)[0]
+    assert torch.equal(unscaled, grads[1.0])
+    expect = grads[0.0] + 0.25 * (grads[1.0] - grads[0.0])
+    assert torch.allclose(grads[0.25], expect, rtol=0, atol=1e-12 * float(grads[1.0].abs().max()))
+
+
+def test_grid_runs_a_surrogate_schedule_from_its_evaluations(tmp_path):
+    """λ = 100 then 10 from step 2 (evaluations every 2 steps) against λ = 100 throughout:
+    equal at step 2, not at step 4."""
+    out = tmp_path / "grid"
+    base = "soft_hash_far_local:num_features=64"
+    argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
+            "--schedules", "constant", "--attentions", f"{base},gradient_surrogate=100.0",
+            f"{base}@surrogate=100:10:2"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    curve = {(r["attention"].partition("@")[2], int(r["step"])): r
+             for r in _rows(out / "grid_curve.csv")}  # fmt: skip
+    assert curve[("", 2)]["second"] == curve[("surrogate=100:10:2", 2)]["second"]
+    assert curve[("", 4)]["second"] != curve[("surrogate=100:10:2", 4)]["second"]
