@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "polysketch"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "polysketch"
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem != "__init__")
 
 
 def _module_name(path: Path) -> str:
@@ -45,7 +47,7 @@ def _imported_packages(source: str, module: str) -> set[str]:
 
 
 # What each part of the package must never import (DESIGN.md: imports point down the layers;
-# the package never imports the experiments in benchmarks/).
+# the package never imports experiments/ or benchmarks/).
 NEVER = {
     "eval": {"cli", "commands", "experiments", "benchmarks"},
     "integrations": {"cli", "commands", "eval", "experiments", "benchmarks"},
@@ -86,6 +88,35 @@ def test_imports_point_down_the_layers(part):
         if bad:
             wrong[str(f.relative_to(SRC))] = sorted(bad)
     assert not wrong, f"imports running up the layers: {wrong}"
+
+
+def test_the_package_never_imports_experiments_or_benchmarks():
+    wrong = {}
+    for f in sorted(SRC.rglob("*.py")):
+        bad = _imported_packages(f.read_text(encoding="utf-8"), _module_name(f))
+        if bad & {"experiments", "benchmarks"}:
+            wrong[str(f.relative_to(SRC))] = sorted(bad & {"experiments", "benchmarks"})
+    assert not wrong
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_imports(name):
+    """``experiments/`` (outside the package) is importable as ``experiments`` in the tests."""
+    module = importlib.import_module(f"experiments.{name}")
+    assert module.__doc__ and Path(module.__file__).parent == ROOT / "experiments"
+
+
+RUNNABLE = [n for n in EXPERIMENTS if "__main__" in (ROOT / "experiments" / f"{n}.py").read_text()]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_runnable_experiments_parse_their_command_line(name, capsys):
+    """Every ``python -m experiments.NAME`` has a ``main(argv)`` whose ``--help`` works."""
+    assert len(RUNNABLE) >= 5
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"experiments.{name}").main(["--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
 
 
 def test_the_import_reader_sees_every_spelling():
