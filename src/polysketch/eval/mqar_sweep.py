@@ -88,7 +88,7 @@ LLOPS = {**FULL, "n_embd": 128, "short_conv": 3}
 """``--setting llops``: LLoPS Table 4's model (2 layers, d_model 128) with BASED / Zoology's
 short convolution (kernel 3) on every attention, on ``FULL``'s task (T = 64, 8 pairs, vocab
 256, 20k examples) and schedule; Zoology's own runs use vocab 8192 and longer training, which
-a 2-core CPU cannot afford (README states the budget)."""
+a 2-core CPU cannot afford (docs/results/README.md states the budget)."""
 
 LLOPS_ATTENTIONS = (
     "softmax",
