@@ -44,7 +44,7 @@ gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks experiments examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

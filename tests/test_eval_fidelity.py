@@ -192,7 +192,7 @@ def test_fitted_optimum_out_of_sample_matches_explicit_lift(qk):
 
 
 def test_fitted_optima_share_one_fit_across_ranks(qk):
-    from polysketch.eval.optimal_rank import fitted_optima
+    from polysketch.features.optimal_rank import fitted_optima
 
     q_fit, k_fit = qk
     q, k = load_qk("gaussian", dim=6, num=30, seed=11)

@@ -1,22 +1,15 @@
-"""LLoPS Table 3 driver (``benchmarks/llops_table3.py``): train exact polynomial models, capture
+"""LLoPS Table 3 (``python -m experiments.llops_table3``): train exact polynomial models, capture
 per-head q/k of first/middle/last layer, measure PSF and LLoPS as ``polysketch approx`` does."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
-from experiments.llops_table3 import captured_files, summarize
-
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.llops_table3 import captured_files, main, summarize
 
 
 def test_quick_run_writes_files_and_tables(tmp_path):
-    spec = importlib.util.spec_from_file_location("t3", ROOT / "benchmarks" / "llops_table3.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--quick", "--degrees", "2", "--out", str(tmp_path), "--threads", "1"]) == 0
+    assert main(["--quick", "--degrees", "2", "--out", str(tmp_path), "--threads", "1"]) == 0
     qk = torch.load(tmp_path / "qk" / "qk_p2_layer1_head0_test.pt", weights_only=True)
     assert qk["q"].shape == (64 * 16, 8) and qk["q"].dtype == torch.float64  # 64 seqs x T
     with open(tmp_path / "table3.csv") as f:
@@ -39,7 +32,7 @@ def test_quick_run_writes_files_and_tables(tmp_path):
     # --reuse-captures: no training, the same files measured again, the same numbers
     (tmp_path / "table3.csv").rename(tmp_path / "first.csv")
     args = ["--quick", "--degrees", "2", "--out", str(tmp_path), "--reuse-captures"]
-    assert module.main(args) == 0
+    assert main(args) == 0
     with open(tmp_path / "table3.csv") as f:
         again = list(csv.DictReader(f))
     assert [(r["map"], r["layer"], r["head"], r["rmae"]) for r in again] == [

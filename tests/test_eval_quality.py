@@ -1,4 +1,4 @@
-"""``experiments.quality`` (benchmarks/): the comparison driver behind ``benchmarks/quality.py``."""
+"""``experiments.quality``: the comparison driver of ``python -m experiments.quality``."""
 
 import pytest
 from experiments.quality import compare, quality_table, remedy_attentions

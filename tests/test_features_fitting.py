@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from polysketch.eval import fidelity
-from polysketch.eval import optimal_rank as eval_optimal_rank
 from polysketch.features import create, fitting, optimal_rank
 from polysketch.features.llops import fit_kernel, optimal_error, relative_loss
 
@@ -107,6 +106,4 @@ def test_optimal_error_is_the_optimal_rank_bound_squared():
 
 
 def test_eval_reexports_the_features_implementation():
-    for name in optimal_rank.__all__:
-        assert getattr(eval_optimal_rank, name) is getattr(optimal_rank, name)
     assert fidelity.optimal_rank_error is optimal_rank.optimal_rank_error

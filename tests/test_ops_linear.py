@@ -5,14 +5,49 @@ import torch
 
 from conftest import rel_err
 from polysketch.ops import (
-    chunked_lt_multiply,
-    chunked_lt_multiply_with_sums,
+    chunked,
     cumsum_lt_multiply,
     linear_attention,
     naive_linear_attention,
 )
+from polysketch.ops.dispatch import group_bytes_for
+from polysketch.ops.pairs import compress, expand
 
 F64 = torch.float64
+
+
+def chunked_lt_multiply_with_sums(
+    a, b, c, *, chunk_size=256, square=False, initial=None, initial_sums=None, group_bytes=None,
+    final_state=True,
+):  # fmt: skip
+    """``ops.chunked.scan`` with dense states, so that its group scan can be checked against
+    explicit products: out = lt((A Bᵀ)^{∘q}) C + Φ(A)·initial, the row sums, and the final
+    state and key sums (..., F[, F], E) / (..., F[, F]). Square states go in through
+    ``pairs.compress`` and come back through ``pairs.expand`` plus the antisymmetric part of
+    ``initial``, which queries never read (x⊗x is symmetric)."""
+    f = a.shape[-1]
+    n0, z0 = initial, initial_sums
+    if square:
+        n0 = None if initial is None else compress(initial)
+        z0 = None if initial_sums is None else compress(initial_sums, values=False)
+    budget = group_bytes_for(a.device) if group_bytes is None else group_bytes
+    out, rs, n, z = chunked.scan(
+        a, b, c, chunk_size=chunk_size, square=square, initial=n0, initial_sums=z0,
+        final_state=final_state, group_bytes=budget,
+    )  # fmt: skip
+    if square and n is not None:
+        n, z = expand(n, f), expand(z, f, values=False)
+        if initial is not None:
+            n = n + (initial - initial.transpose(-2, -3)) / 2
+        if initial_sums is not None:
+            z = z + (initial_sums - initial_sums.transpose(-1, -2)) / 2
+    return out, rs, n, z
+
+
+def chunked_lt_multiply(a, b, c, **kwargs):
+    """``chunked_lt_multiply_with_sums`` without the sums: (out, dense final state)."""
+    out, _, state, _ = chunked_lt_multiply_with_sums(a, b, c, **kwargs)
+    return out, state
 
 
 def make(lead, tq, tk, f, e, *, positive, seed=0, dtype=F64):
@@ -179,7 +214,7 @@ def test_fp64_stays_fp64_and_fp32_stays_fp32():
         assert out.dtype == dtype and state.numerator.dtype == dtype
 
 
-# ---- group scan of chunked_lt_multiply (bounded temporaries) and the decode fast path ----
+# ---- the group scan of ops.chunked (bounded temporaries) and the decode fast path ----
 
 
 def lt_reference(q, k, v, initial, square):

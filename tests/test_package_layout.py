@@ -1,6 +1,5 @@
-"""The package layout (issue 23 §3): experiments live beside the library, imports point down
-the layers, matplotlib is optional, and the modules that moved keep their old import paths
-for one release (with a DeprecationWarning)."""
+"""The package layout (issues 23 §3, 40): experiments live beside the library, imports point
+down the layers, matplotlib is optional, and no module of the package is a deprecation shim."""
 
 import ast
 import importlib
@@ -12,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "polysketch"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "polysketch"
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem != "__init__")
 
 
 def _module_name(path: Path) -> str:
@@ -46,7 +47,7 @@ def _imported_packages(source: str, module: str) -> set[str]:
 
 
 # What each part of the package must never import (DESIGN.md: imports point down the layers;
-# the package never imports the experiments in benchmarks/).
+# the package never imports experiments/ or benchmarks/).
 NEVER = {
     "eval": {"cli", "commands", "experiments", "benchmarks"},
     "integrations": {"cli", "commands", "eval", "experiments", "benchmarks"},
@@ -87,6 +88,35 @@ def test_imports_point_down_the_layers(part):
         if bad:
             wrong[str(f.relative_to(SRC))] = sorted(bad)
     assert not wrong, f"imports running up the layers: {wrong}"
+
+
+def test_the_package_never_imports_experiments_or_benchmarks():
+    wrong = {}
+    for f in sorted(SRC.rglob("*.py")):
+        bad = _imported_packages(f.read_text(encoding="utf-8"), _module_name(f))
+        if bad & {"experiments", "benchmarks"}:
+            wrong[str(f.relative_to(SRC))] = sorted(bad & {"experiments", "benchmarks"})
+    assert not wrong
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_imports(name):
+    """``experiments/`` (outside the package) is importable as ``experiments`` in the tests."""
+    module = importlib.import_module(f"experiments.{name}")
+    assert module.__doc__ and Path(module.__file__).parent == ROOT / "experiments"
+
+
+RUNNABLE = [n for n in EXPERIMENTS if "__main__" in (ROOT / "experiments" / f"{n}.py").read_text()]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_runnable_experiments_parse_their_command_line(name, capsys):
+    """Every ``python -m experiments.NAME`` has a ``main(argv)`` whose ``--help`` works."""
+    assert len(RUNNABLE) >= 5
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"experiments.{name}").main(["--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
 
 
 def test_the_import_reader_sees_every_spelling():
@@ -146,30 +176,6 @@ def test_core_and_cli_run_without_matplotlib(tmp_path):
     assert (tmp_path / "approx" / "results.csv").is_file()  # the numbers are written first
 
 
-MOVED = {
-    "polysketch.eval.bench_model": "polysketch.eval.bench.model",
-    "polysketch.eval.bench_report": "polysketch.eval.bench.report",
-    "polysketch.eval.capture": "polysketch.eval.fidelity.capture",
-    "polysketch.eval.data_sources": "polysketch.eval.fidelity.data_sources",
-    "polysketch.eval.softmax_fidelity": "polysketch.eval.fidelity.softmax",
-    "polysketch.eval.report": "polysketch.eval.demo",
-    "polysketch.eval.demo_sections": "polysketch.eval.demo",
-    "polysketch.eval.demo_fidelity": "polysketch.eval.demo",
-}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_moved_modules_keep_their_old_path_with_a_warning(old):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=MOVED[old].replace(".", r"\.")):
-        module = importlib.import_module(old)
-    new = importlib.import_module(MOVED[old])
-    tables = importlib.import_module("polysketch.eval.tables")
-    assert module.__all__
-    for name in module.__all__:
-        assert getattr(module, name) is getattr(new, name, getattr(tables, name, None)), name
-
-
 # The public names of the former modules polysketch.eval.bench and polysketch.eval.fidelity,
 # now packages: importable as before, without a warning.
 FORMER = {
@@ -195,3 +201,15 @@ def test_former_modules_are_packages_with_the_same_names(path):
     missing = [name for name in FORMER[path] if not hasattr(module, name)]
     assert not missing
     assert set(FORMER[path]) <= set(module.__all__)
+
+
+def test_no_module_of_the_package_is_a_deprecation_shim():
+    """0.1.0 has no users to keep old import paths for (issue 40): no module warns that it
+    moved, and ``ops`` carries no pre-contract copies (the former ``ops/legacy.py``)."""
+    shims = [
+        str(f.relative_to(SRC))
+        for f in sorted(SRC.rglob("*.py"))
+        if "DeprecationWarning" in f.read_text(encoding="utf-8")
+    ]
+    assert not shims
+    assert not (SRC / "ops" / "legacy.py").exists()

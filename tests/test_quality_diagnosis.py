@@ -1,4 +1,4 @@
-"""The quality-gap measurements (benchmarks/experiments/quality_diagnosis.py) and their facts."""
+"""The quality-gap measurements (``experiments.quality_diagnosis``) and their facts."""
 
 import torch
 from experiments.quality_diagnosis import (

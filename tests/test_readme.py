@@ -1,4 +1,6 @@
-"""The README is part of the contract: its example runs and its tables match the code."""
+"""The README and the docs are part of the contract: the README's examples run, the tables of
+feature maps and presets (docs/feature_maps.md, docs/models.md) match the code, every relative
+link of the README and of docs/ resolves."""
 
 import contextlib
 import io
@@ -13,11 +15,15 @@ from polysketch.nn import MODEL_PRESETS, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+FEATURE_MAPS = (ROOT / "docs" / "feature_maps.md").read_text(encoding="utf-8")
+MODELS = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
 
 
-def _table_after(marker: str) -> list[list[str]]:
-    """Rows (cells stripped) of the markdown table following ``marker``, header excluded."""
-    lines = README.split(marker, 1)[1].strip().splitlines()
+def _table_after(marker: str, text: str) -> list[list[str]]:
+    """Rows (cells stripped) of the markdown table following ``marker`` in ``text``, header
+    excluded."""
+    assert marker in text, marker
+    lines = text.split(marker, 1)[1].strip().splitlines()
     rows = []
     for line in lines[2:]:
         if not line.startswith("|"):
@@ -93,7 +99,7 @@ def test_papers_are_cited_with_links_not_a_local_folder():
 
 
 def test_feature_map_table_lists_every_registered_map():
-    rows = _table_after("<!-- feature-map-table: checked by tests/test_readme.py -->")
+    rows = _table_after("<!-- feature-map-table: checked by tests/test_readme.py -->", FEATURE_MAPS)
     names = [row[0].strip("`") for row in rows]
     assert sorted(names) == features.available()
     for row in rows:
@@ -102,14 +108,14 @@ def test_feature_map_table_lists_every_registered_map():
 
 
 def test_preset_table_matches_the_code():
-    rows = _table_after("<!-- preset-table: checked by tests/test_readme.py -->")
+    rows = _table_after("<!-- preset-table: checked by tests/test_readme.py -->", MODELS)
     assert {row[0].strip("`"): row[1] for row in rows} == {
         name: preset["description"] for name, preset in PRESETS.items()
     }
 
 
 def test_model_preset_table_matches_the_code():
-    rows = _table_after("<!-- model-preset-table: checked by tests/test_readme.py -->")
+    rows = _table_after("<!-- model-preset-table: checked by tests/test_readme.py -->", MODELS)
     assert {row[0].strip("`"): row[1] for row in rows} == {
         name: preset.description for name, preset in MODEL_PRESETS.items()
     }
@@ -142,16 +148,31 @@ def _broken_links(path: Path) -> list[str]:
     return broken
 
 
+def test_readme_is_short_and_names_the_recommended_preset_in_its_first_screen():
+    """Issue 40: at most 250 lines; the table "which attention for what" and the recommended
+    long-context preset within the first 50 lines; the GPU check a few lines."""
+    lines = README.splitlines()
+    assert len(lines) <= 250
+    first_screen = "\n".join(lines[:50])
+    assert "## Which attention for what" in first_screen
+    assert "`soft_hash_far_local`" in first_screen and "recommended" in first_screen
+    gpu = README.split("## On a GPU", 1)[1].split("\n## ", 1)[0]
+    assert "make gpu-check" in gpu and "docs/gpu.md" in gpu and len(gpu.splitlines()) <= 12
+
+
 def test_results_move_to_docs_and_every_link_resolves():
-    """README keeps one short section per measured topic linking to docs/results/README.md,
-    which holds the full tables; every relative link (and #anchor) of both resolves."""
+    """README keeps one table of headline ratios linking to docs/results/README.md, which holds
+    the full tables; every relative link (and #anchor) of the README and of docs/ resolves."""
     results = ROOT / "docs" / "results" / "README.md"
     measured = README.split("## Measured results", 1)[1].split("\n## ", 1)[0]
     assert "docs/results/README.md" in measured
     assert "| 16384 | 888 / 948 |" in results.read_text()  # the full speed table moved there
     assert "| 16384 | 888 / 948 |" not in README
-    assert _broken_links(ROOT / "README.md") == []
-    assert _broken_links(results) == []
+    assert "## Long context: which attentions use far context" in results.read_text()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert len(pages) > 10
+    broken = {str(p.relative_to(ROOT)): _broken_links(p) for p in pages}
+    assert {page: links for page, links in broken.items() if links} == {}
 
 
 def test_the_link_checker_finds_broken_links(tmp_path):

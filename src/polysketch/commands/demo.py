@@ -45,8 +45,6 @@ from .._files import atomic_write
 from ..eval.demo import (
     CUDA_FULL,
     FULL,
-    MAX_FEATURE_DIM,  # noqa: F401  (re-exported for old imports, one release)
-    NOT_CALIBRATED,  # noqa: F401
     QUICK,
     DemoSizes,
     Report,

@@ -22,19 +22,11 @@ import argparse
 from pathlib import Path
 
 from .._checks import parse_key_values
-from ..eval.linearize_report import (
-    format_result,
-    plot_results,
-    write_csv,
-    write_json,
-    write_results,
-)
+from ..eval.linearize_report import format_result, write_results
 from ..nn import valid_model_attentions
 from ._common import fail, io_error, prepare_out_dir
 
-# write_csv, write_json, plot_results: re-exported from polysketch.eval.linearize_report for
-# one release (linearize_saved moved to polysketch.integrations.transformers)
-__all__ = ["add_parser", "run", "write_csv", "write_json", "plot_results"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Measurement: what the CLI runs and the experiments in ``benchmarks/`` build on.
+"""Measurement: what the CLI runs (``approx``, ``bench``, ``demo``, ``linearize``, ``mqar``).
 
 * ``fidelity/``: how well feature maps reproduce their kernels (metrics, ``evaluate_map``,
   ``sweep``, q/k sources and capture, the softmax-estimator experiments, ``polysketch approx``);

@@ -1,5 +1,5 @@
 """Results of ``linearize_saved`` runs as files and text: what ``polysketch linearize`` writes
-and prints, and ``benchmarks/linearize.py`` collects.
+and prints, and ``experiments/linearize_llama.py`` collects.
 
 * ``summary_row(result)``: one flat row per run (losses and perplexities per stage, tokens,
   decode-state floats against the KV cache at each measured length, seconds);

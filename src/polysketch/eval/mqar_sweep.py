@@ -88,7 +88,7 @@ LLOPS = {**FULL, "n_embd": 128, "short_conv": 3}
 """``--setting llops``: LLoPS Table 4's model (2 layers, d_model 128) with BASED / Zoology's
 short convolution (kernel 3) on every attention, on ``FULL``'s task (T = 64, 8 pairs, vocab
 256, 20k examples) and schedule; Zoology's own runs use vocab 8192 and longer training, which
-a 2-core CPU cannot afford (README states the budget)."""
+a 2-core CPU cannot afford (docs/results/README.md states the budget)."""
 
 LLOPS_ATTENTIONS = (
     "softmax",
@@ -104,7 +104,7 @@ with signed scores; LLoPS in §3.2's non-negative form, (∏_j xΘ_j)^{*2} with 
 (m = 256 features, degree 4); LLoPS self-tensored (m = 16, p = 2, scores (φq·φk)² of degree 4,
 the same 256 state features per head) from its monomial start — signed p = 4 scores drive a
 third to a half of the normalizers negative within 400 steps
-(``benchmarks/llops_normalizers.py``), squared scores cannot; BASED's map on 16-dim queries
+(``experiments/llops_normalizers.py``), squared scores cannot; BASED's map on 16-dim queries
 and keys (as Table 4's BASED)."""
 
 LONG = {**LLOPS, "seq_len": 1024, "num_kv_pairs": 16, "min_distance": 512, "batch_size": 32}

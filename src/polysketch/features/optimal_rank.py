@@ -4,8 +4,7 @@ LLoPS Thm 3.1 / Eq. 7: any m-dimensional feature map gives rank(φq φkᵀ) ≤ 
 state size m beats ``min_{rank ≤ m} ‖A − E‖_F = sqrt(Σ_{i>m} σ_i²)``, σ_i the singular values
 of the exact kernel matrix E, reached by the truncated SVD ``U Σ_m Vᵀ``. The one
 implementation of this bound: ``features.llops.optimal_error`` (its Eq. 6 form) and
-``polysketch.eval.fidelity`` / ``polysketch.eval.optimal_rank`` (which re-export these names)
-use it.
+``polysketch.eval.fidelity`` (which re-exports these names) use it.
 
 That bound is in-sample: the SVD sees the very matrix it approximates. ``fitted_optimum`` is
 its out-of-sample counterpart, what a map can actually be fitted to do: Eq. 8's optimal linear

@@ -16,23 +16,13 @@ Public entry points:
   O(T·w) (``ops.window``), the local-only control of mixed attention.
 - ``softmax_attention``, ``polynomial_attention``, ``naive_linear_attention``,
   ``naive_mixed_attention``: exact quadratic references (PolySketchFormer Eq. (1)).
-
-Kept for one release (dense square states; see ``ops.legacy`` for what replaces them):
-``chunked_lt_multiply``, ``chunked_lt_multiply_with_sums``, ``noncausal_multiply``,
-``square_state``, ``square_apply``, ``apply_state``; ``cumsum_lt_multiply`` stays.
+- ``cumsum_lt_multiply``: Performer-style prefix sums over dense states (the cross-check of
+  ``algorithm="cumsum"``).
 """
 
 from .cumsum import MAX_SQUARE_CUMSUM_ELEMENTS, cumsum_lt_multiply
 from .dispatch import enable_triton
 from .kernel import ALGORITHMS, kernel_attention, linear_attention
-from .legacy import (
-    apply_state,
-    chunked_lt_multiply,
-    chunked_lt_multiply_with_sums,
-    noncausal_multiply,
-    square_apply,
-    square_state,
-)
 from .mixed import LOCAL_KERNELS, mixed_attention, naive_mixed_attention
 from .mixed_step import MixedAttentionState, mixed_attention_state, mixed_attention_step
 from .naive import (
@@ -56,10 +46,7 @@ __all__ = [
     "LinearAttentionState",
     "MixedAttentionState",
     "PairFeatures",
-    "apply_state",
     "causal_mask",
-    "chunked_lt_multiply",
-    "chunked_lt_multiply_with_sums",
     "cumsum_lt_multiply",
     "dense_to_pair_state",
     "enable_triton",
@@ -72,13 +59,10 @@ __all__ = [
     "naive_mixed_attention",
     "naive_window_attention",
     "naive_linear_attention",
-    "noncausal_multiply",
     "pair_dim",
     "pair_to_dense_state",
     "polynomial_attention",
     "softmax_attention",
-    "square_apply",
-    "square_state",
     "stabilize_denominator",
     "state_dim",
     "window_attention",

@@ -38,7 +38,7 @@ It carries no checksum, so it is loaded unverified; the next save writes version
 
 ``load_model(path)`` rebuilds the ``TransformerLM`` of a ``polysketch train`` checkpoint (its
 ``model_config`` and weights, the feature maps' random buffers included), as ``polysketch
-generate`` and the experiments in ``benchmarks/`` load trained models.
+generate`` and the experiments in ``experiments/`` load trained models.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Analytic cost model of ``polysketch bench``: FLOPs executed and memory alive at the peak.
 
 FLOPs (analytic, per (batch, head) slice, feature maps NOT counted so GFLOP/s is a lower
-bound), for ``chunked_lt_multiply_with_sums`` (the normalizer as row/key sums beside the
+bound), for the chunked scan ``ops.chunked.scan`` (the normalizer as row/key sums beside the
 product, §4) with N = ⌈T/b⌉ blocks of b rows, M = N - 1 blocks that write (no final state is
 built) and read (the first block reads nothing) a state, F features, value width E and F'
 the state features per token: F plain; with ``square`` the F(⌊F/2⌋+1) symmetric pair

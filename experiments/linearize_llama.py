@@ -9,7 +9,7 @@
    reloaded with ``load_converted`` to check the round trip;
 3. write ``linearize.csv`` / ``linearize.png`` / ``linearize.json`` into ``--out``.
 
-    python benchmarks/linearize.py --out docs/results --work /tmp/linearize-demo
+    python -m experiments.linearize_llama --out docs/results --work /tmp/linearize-demo
 
 Single-threaded by default (``--threads``); timings are for this project's CPU machine.
 """

@@ -1,19 +1,20 @@
 """Why PolySketchFormer's sketches trail softmax: measurements on trained models (issue #10).
 
-Usage: python benchmarks/quality_diagnosis.py --poly-ckpt RUN/polynomial/ckpt.pt
-       [--random-ckpt RUN/psf_random/ckpt.pt] [--learned-ckpt RUN/psf_learned/ckpt.pt]
-       [--out docs/results] [--threads 1]
+Usage (from the repository root):
 
-The checkpoints come from ``benchmarks/quality.py --out RUN`` (``RUN/runs/LABEL/ckpt.pt``) or
-``polysketch train``. Writes into ``--out``: ``quality_diagnosis.md`` (all tables),
-``quality_diagnosis_*.csv`` and ``quality_diagnosis.png``; see
-``experiments/quality_diagnosis.py`` for what each number is. A few minutes on one core.
+    python -m experiments.quality_diagnosis_cli --poly-ckpt RUN/polynomial/ckpt.pt
+        [--random-ckpt RUN/psf_random/ckpt.pt] [--learned-ckpt RUN/psf_learned/ckpt.pt]
+        [--out docs/results] [--threads 1]
+
+The checkpoints come from ``python -m experiments.quality --out RUN``
+(``RUN/runs/LABEL/ckpt.pt``) or ``polysketch train``. Writes into ``--out``:
+``quality_diagnosis.md`` (all tables), ``quality_diagnosis_*.csv`` and
+``quality_diagnosis.png``; ``experiments.quality_diagnosis`` says what each number is.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +26,7 @@ from polysketch.eval.plots import log_axes, save_png, subplots
 from polysketch.nn import TransformerConfig, TransformerLM
 from polysketch.train import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
-
-from experiments.quality_diagnosis import (  # noqa: E402
+from .quality_diagnosis import (
     capture_qkv,
     debiased_core,
     grad_norms,
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
     batches = _batches(corpus, args.batches, 8, block)
     x0 = batches[0][0][:2]
     md = [
-        "# Quality-gap diagnosis (`benchmarks/quality_diagnosis.py`)\n",
+        "# Quality-gap diagnosis (`python -m experiments.quality_diagnosis_cli`)\n",
         f"polynomial-trained model: `{args.poly_ckpt}` ({poly.config.n_layer} layers × "
         f"{poly.config.n_embd}, {poly.config.n_head} heads, D = "
         f"{poly.config.n_embd // poly.config.n_head}, block {block}, step {state['step']})\n",

@@ -6,25 +6,21 @@ convolutions) with the given attention spec for ``--steps`` steps, then reports
 sequences: the share of negative scores and normalizers, and how much of Σ|s| cancels. Step 0
 reports the freshly built model.
 
-    python benchmarks/llops_normalizers.py \\
+    python -m experiments.llops_normalizers \\
         --attention "llops:num_features=256,degree=4,init='monomial'" --lr 1e-3 --steps 400
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from polysketch.eval import mqar_sweep
 from polysketch.nn import TransformerLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: experiments
-
-from experiments.quality_diagnosis import normalizer_sign_stats  # noqa: E402
+from .quality_diagnosis import normalizer_sign_stats
 
 
 def main(argv=None) -> int:

@@ -27,10 +27,21 @@ map (``llops``). This module does the same with our pieces, in three stages:
 RMAE divides by (q·k)^p; ``approx`` floors that denominator at ``rel_floor`` · max |(q·k)^p|
 (default 1e-3) so near-orthogonal pairs do not dominate; the paper does not say how it
 handles them.
+
+Run it from the repository root (``docs/results/README.md`` has the figures and the run)::
+
+    python -m experiments.llops_table3 [--out runs/llops_table3] [--steps 2000] [--degrees 2 3]
+        [--feature-dims 64 256] [--fit-steps 1000] [--num 512] [--fit-num 4096] [--threads N]
+        [--quick] [--reuse-captures]
+
+The captured files stay in ``OUT/qk/``, so any other map can be measured on them later;
+``--reuse-captures`` skips the training and measures the files already there; ``--quick`` is
+a seconds-long smoke run.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import time
 from collections.abc import Sequence
@@ -44,7 +55,7 @@ from polysketch.eval.fidelity import approx
 from polysketch.eval.fidelity.capture import capture_qk
 from polysketch.eval.fidelity.data_sources import load_qk
 from polysketch.eval.fidelity.metrics import relative_frobenius_error, rmae
-from polysketch.eval.mqar_sweep import LLOPS, make_data, train_one
+from polysketch.eval.mqar_sweep import LLOPS, QUICK, make_data, train_one
 from polysketch.eval.plots import save_png, subplots
 from polysketch.features.optimal_rank import fitted_optima, optimal_rank_error_of
 
@@ -58,6 +69,7 @@ __all__ = [
     "captured_files",
     "summarize",
     "run",
+    "main",
 ]
 
 SETTINGS = {**LLOPS, "n_layer": 3, "steps": 2000}
@@ -329,3 +341,41 @@ def run(
     _plot(table, out / "table3.png")
     log(_markdown(table, _layers(s["n_layer"]), info))
     return rows
+
+
+def main(argv=None) -> int:
+    """The command line of the module docstring; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/llops_table3")
+    parser.add_argument("--steps", type=int, default=SETTINGS["steps"])
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--degrees", nargs="+", type=int, default=[2, 3])
+    parser.add_argument("--feature-dims", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--fit-steps", type=int, default=1000)
+    parser.add_argument("--num", type=int, default=512)
+    parser.add_argument("--fit-num", type=int, default=4096, help="fitting vectors per head")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    parser.add_argument(
+        "--reuse-captures",
+        action="store_true",
+        help="measure the q/k files an earlier run left in OUT/qk (no training)",
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = {"steps": args.steps}
+    if args.quick:
+        settings = {**QUICK, "n_layer": 3, "steps": 4}
+        args.feature_dims, args.fit_steps, args.num, args.trials = [8], 5, 32, 1
+    run(args.out, degrees=args.degrees, settings=settings, lr=args.lr,
+        feature_dims=args.feature_dims, fit_steps=args.fit_steps, num=args.num,
+        fit_num=args.fit_num,
+        trials=args.trials, seed=args.seed, reuse_captures=args.reuse_captures)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
