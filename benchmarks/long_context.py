@@ -14,7 +14,8 @@ Sub-commands (``python benchmarks/long_context.py CMD --help``):
   grid        the copy probe over distances × schedules × batch sizes × seeds (issue 44):
               softmax's onset, a candidate's gain at 1.5× it and at the budget, ablated
 
-The experiments live in ``benchmarks/experiments/long_context/``.
+The experiments live in ``experiments/long_context/`` (the repository root goes on
+``sys.path``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/
 
 from experiments.long_context import (  # noqa: E402
     grid_cli,

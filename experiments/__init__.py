@@ -10,12 +10,5 @@ from the repository root with polysketch importable (``make`` installs it into `
     python -m experiments.llops_table3        # LLoPS Table 3 on captured queries and keys
     python -m experiments.llops_normalizers   # signed LLoPS scores: negative normalizers
     python -m experiments.linearize_llama     # a Llama trained here, then linearized
-
-``experiments.long_context`` still lives in ``benchmarks/experiments/long_context/`` (run by
-``benchmarks/long_context.py``); the path entry below makes it a subpackage of this one until
-it moves here.
+    python benchmarks/long_context.py grid   # the copy probe over distances, schedules, seeds
 """
-
-from pathlib import Path
-
-__path__.append(str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))

@@ -72,13 +72,7 @@ def test_linearize(name, tmp_path, capsys):
             str(corpus), "--out", str(tmp_path / "o"), "--seq-len", "16", "--batch-size", "2",
             "--transfer-steps", "1", "--finetune", "none", "--eval-batches", "1",
             "--chunk-size", "8"]  # fmt: skip
-    if name in MODEL_PRESETS:  # a converted layer has no window branch: not a choice
-        with pytest.raises(SystemExit) as exit_:
-            main(argv)
-        assert exit_.value.code == 2
-        assert "--attention" in capsys.readouterr().err
-        return
-    _run(argv, capsys, name)
+    _run(argv, capsys, name)  # model presets too: a window branch beside the global one
 
 
 def test_the_options_the_two_refusals_name_make_them_run(tmp_path, capsys):

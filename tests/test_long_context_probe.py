@@ -1,4 +1,4 @@
-"""Repeat probe, global-part ablation and position losses (benchmarks/experiments/long_context)."""
+"""Repeat probe, global-part ablation and position losses (experiments/long_context)."""
 
 import math
 

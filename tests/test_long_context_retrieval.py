@@ -1,4 +1,4 @@
-"""Kernel-level retrieval (benchmarks/experiments/long_context): weights on the matching key."""
+"""Kernel-level retrieval (experiments/long_context): weights on the matching key."""
 
 import math
 

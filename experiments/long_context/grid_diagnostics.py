@@ -37,6 +37,7 @@ branch ([] for any other model).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -138,13 +139,14 @@ def _surrogate_share(model, branches, inputs, targets) -> dict[int, tuple[float,
     if not any(lams.values()):
         return {layer: (0.0, "") for layer in lams}
     total = _qk_grads(model, branches, inputs, targets)
-    for _, block in branches:
-        block.attn.gradient_surrogate = 0.0
+    specs = {layer: block.attn.spec for layer, block in branches}
+    for layer, block in branches:  # the spec is frozen: the same one with λ = 0
+        block.attn.spec = dataclasses.replace(specs[layer], gradient_surrogate=0.0)
     try:
         own = _qk_grads(model, branches, inputs, targets)
     finally:
         for layer, block in branches:
-            block.attn.gradient_surrogate = lams[layer]
+            block.attn.spec = specs[layer]
     out = {}
     for layer in lams:
         sur = total[layer] - own[layer]
@@ -242,6 +244,6 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
 def _far_chunk(attn) -> int | None:
     """The block length of a far-blocks-only (``local='none'``) global core, else None."""
     spec = getattr(attn, "spec", None)
-    if spec is not None and spec.algorithm == "mixed" and spec.local == "none":
+    if spec is not None and spec.form == "mixed" and spec.local == "none":
         return int(attn.chunk_size)
     return None

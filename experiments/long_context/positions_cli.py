@@ -60,7 +60,7 @@ def register(subparsers) -> None:
 def _quadratic_gb(spec: str, model, length: int) -> float:
     """GB of one layer's T × T fp32 score matrices (all heads) for exact polynomial attention
     (softmax runs through SDPA, which does not build it)."""
-    if any(getattr(m, "algorithm", None) == "polynomial" for m in model.modules()):
+    if any(getattr(m, "form", None) == "polynomial" for m in model.modules()):
         return model.config.n_head * length * length * 4 / 1e9
     return 0.0
 

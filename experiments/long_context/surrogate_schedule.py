@@ -86,8 +86,8 @@ def scaled_surrogate(scale: Scale):
     ``scale.value`` (read at each call)."""
     original = AttentionCore._gradient_surrogate
 
-    def scaled(self, q, k, v, keep):
-        return original(self, q, k, v, keep) * scale.value
+    def scaled(self, q, k, v, keep, shard=None):
+        return original(self, q, k, v, keep, shard) * scale.value
 
     AttentionCore._gradient_surrogate = scaled
     try:
