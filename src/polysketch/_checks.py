@@ -170,7 +170,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, skipping the call when x already has ``dtype`` (``.to`` then returns x
     itself anyway, but its dispatch costs about 2 µs on a CPU, which one decoding step of a
-    small model feels, issue 22)."""
+    small model feels)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

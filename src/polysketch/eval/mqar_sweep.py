@@ -108,7 +108,7 @@ third to a half of the normalizers negative within 400 steps
 and keys (as Table 4's BASED)."""
 
 LONG = {**LLOPS, "seq_len": 1024, "num_kv_pairs": 16, "min_distance": 512, "batch_size": 32}
-"""``--setting long``: long-range recall (issue 21). T = 1024 with 16 key-value pairs, every
+"""``--setting long``: long-range recall. T = 1024 with 16 key-value pairs, every
 query at least 512 tokens after its key (``MQARConfig.min_distance``), so no exact local
 window of up to 512 tokens (``psf_mixed``'s block is the model's chunk, 64) sees a key and
 its query together: the answer must come from the attention's global part. Model and

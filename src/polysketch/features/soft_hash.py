@@ -68,14 +68,13 @@ key that share no bucket. With logits of standard deviation τ (LayerNorm'd x, e
 directions), φq puts its mass on the few buckets nearest q, where an unrelated key's
 logits are typical (≈ 0 standard deviations) and its largest ≈ 3.4 (F = 1,920), so its
 probabilities there are about e^{−3.4τ} of its largest, and ∂s_hash/∂q carries no pull towards a
-key that is not already near q; learning to retrieve waits for a chance collision (the
-copy probe's seed 0 learned nothing in 600 steps at F = 1,920, τ = 10). The linear term's
+key that is not already near q; learning to retrieve waits for a chance collision. The
+linear term's
 gradient ∂s/∂q = (α/2) ∂cos(q, k)/∂q points at every key, as softmax's exp(q·k/√D) does near
 init (≈ 1 + q·k/√D). Its cost is retrieval: each unrelated key adds ≈ α/2 to the normalizer
 against the hash's 1/F on average, so α = 0.1/F gives the linear term about 5 % of an
-unrelated key's score. Measured there (``docs/results/long_context/soft_hash_local/``,
-2026-11-25): α = 5·10⁻⁵ costs 4–5 % of the weight on a match among 4k keys and started the
-copy within 400 steps in 1 of 3 runs that had none without it; off by default.
+unrelated key's score. Off by default; what it costs and gains in retrieval is measured in
+``docs/results/long_context/soft_hash_local/``.
 
 The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =

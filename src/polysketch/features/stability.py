@@ -24,9 +24,9 @@ checks them; the rules, which are part of the ``FeatureMap`` contract (``feature
    normalizer is computed here in O(T·F) beside the attention, as the ops do: causal
    prefix sums of the visible keys' features plus ``initial_sums``): it must be finite, and
    for non-negative maps on the stabilized path ≥ eps wherever the query sees a key. Below
-   eps the guard would clamp it and silently shrink the output (the "all-zero outputs" of
-   issue 22): after rule 1 that happens only when the KEY features are tiny, which no exact
-   per-token shift can repair. Signed maps (trig, hybrids, complex A) keep the guard: their
+   eps the guard would clamp it and silently shrink the output (all-zero outputs): after rule 1 that
+   happens only when the KEY features are tiny, which no exact per-token shift can repair. Signed
+   maps (trig, hybrids, complex A) keep the guard: their
    normalizers cross zero by design (DESIGN: ill-conditioned in low precision).
 
 Refusals raise ValueError on the CPU. On accelerators, and inside ``torch.compile``,

@@ -2,8 +2,8 @@
 
 ``MultiHeadFeatureMap`` applies H independent maps by ``torch.vmap`` over
 ``torch.func.functional_call``. That is general, but its dispatch costs about 0.4 ms per call
-on a CPU whatever the input size, which dominated one decoding step (issue 22, "Decoding
-speed": two calls per layer per token). For the maps used most, the same computation is
+on a CPU whatever the input size, which dominated one decoding step (two calls
+per layer per token). For the maps used most, the same computation is
 written here directly on the head-stacked tensors (leading head axis H), as batched matmuls
 (``(..., H, T, D) @ (H, D, ·)``, broadcast over the heads), in the same order of operations as
 the map's own code:

@@ -19,13 +19,14 @@ import math
 
 from .._checks import parse_key_values
 from ..features import available, get_class
-from .presets import MODEL_PRESETS, POLYNOMIAL_MAPS, PRESETS, SOFTMAX_TARGET_MAPS
+from .presets import MODEL_PRESETS, POLYNOMIAL_MAPS, PRESETS, SOFTMAX_TARGET_MAPS, ModelPreset
 from .spec import WINDOW_KERNELS, AttentionSpec, HybridSpec, ModelSpec
 
 __all__ = [
     "MODEL_KEYS",
     "as_spec",
     "config_options",
+    "model_preset",
     "parse_attention",
     "preset_chunk_size",
     "resolve_attention",
@@ -223,6 +224,13 @@ def _window_settings(kwargs: dict, window) -> tuple:
     return "window", extra, polynomial, 1.0 if polynomial else 0.0, degree
 
 
+def model_preset(name) -> ModelPreset | None:
+    """The ``ModelPreset`` named ``name`` (``MODEL_PRESETS``), or None for any other name
+    (an attention preset, a feature map, softmax): how the layers outside ``nn`` (``convert``,
+    the CLI) ask whether a name carries a window branch."""
+    return MODEL_PRESETS.get(name) if isinstance(name, str) else None
+
+
 def resolve_model(config) -> ModelSpec:
     """A ``TransformerConfig``'s ``ModelSpec``: its attention (a model preset expanded, the
     config's fields of the same meaning winning), the window branch beside it and the
@@ -385,5 +393,5 @@ def preset_chunk_size(spec: str) -> int | None:
     name, model_opts, _ = parse_attention(spec)
     if "chunk_size" in model_opts:
         return model_opts["chunk_size"]
-    preset = MODEL_PRESETS.get(name)
+    preset = model_preset(name)
     return None if preset is None else preset.chunk_size

@@ -133,7 +133,7 @@ def mixed_attention_token(q, k, v, phi_q, phi_k, state, *, chunk_size, local, de
     Every keyword must be given, as plain values (``scale`` a float, ``local`` one of
     ``LOCAL_KERNELS``). For callers that built every argument themselves and decode token by
     token (``polysketch.nn.cache.MixedCache``): the checks of the public op cost about as much
-    as the step's arithmetic on a CPU (issue 22, "Decoding speed").
+    as the step's arithmetic on a CPU.
     ``mixed_attention_step`` validates its arguments and then calls this.
     """
     bk, bf, bv = (

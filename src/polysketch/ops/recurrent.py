@@ -94,7 +94,7 @@ def linear_attention_token(
     for half inputs), ``key_padding_mask`` bool (..., 1) or None, and plain floats for the
     offset and eps. For callers that built every argument themselves and decode token by
     token (``polysketch.nn.core``): the checks of the public op cost about as much as the
-    step's arithmetic on a CPU (issue 22, "Decoding speed"). ``linear_attention_step``
+    step's arithmetic on a CPU. ``linear_attention_step``
     validates its arguments and then calls this, so both compute the same thing.
     """
     acc = state.numerator.dtype

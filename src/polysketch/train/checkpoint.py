@@ -4,7 +4,7 @@
 every checkpoint of the package (``polysketch train``, the demo's runs, and later sharded or
 context-parallel models) is written and read by them.
 
-Format, version 2 (written since the ``#16`` safety fixes): one ``torch.save`` file holding ::
+Format, version 2: one ``torch.save`` file holding ::
 
     {"format": "polysketch.checkpoint", "version": 2,
      "sha256": "<64 hex digits>", "state": STATE}
@@ -361,12 +361,12 @@ def stored_model_config(config) -> dict:
 
     That is ``asdict(config)`` with today's defaults for the fields a stored one predates
     (``saved_config``) and the training-only ``gradient_surrogate`` written out
-    (``surrogate_weight()``: a model preset's λ where the field is None). A preset's weights
-    and shapes are checked when its state dict loads, but its λ only shapes later updates:
-    stored resolved, a resumed run keeps the λ it was trained with when the preset's changes.
-    A stored config written before 2026-11-26 evening holds None there and takes the current
-    preset's. A mapping with a field this version does not know is returned as
-    ``saved_config`` gives it (it equals no config of today).
+    (``config.resolve().attention.gradient_surrogate``: a model preset's λ where the field is None).
+    A preset's weights and shapes are checked when its state dict loads, but its λ only shapes later
+    updates: stored resolved, a resumed run keeps the λ it was trained with when the preset's
+    changes. A stored config of an older version holds None there and takes the current preset's. A
+    mapping with a field this version does not know is returned as ``saved_config`` gives it (it
+    equals no config of today).
     """
     from ..nn import TransformerConfig
 

@@ -1,8 +1,8 @@
 """``polysketch bench --decode``: greedy decoding time per token vs position, whole models.
 
 For each attention and each prompt length P, a ``TransformerLM`` (default 4 layers × 256,
-4 heads of 64, the sizes of issue 22's "Decoding speed") is prefilled with P random tokens
-into its caches; then ``tokens`` greedy steps (one token in, argmax out, the caches updated
+4 heads of 64, the sizes of the decoding table in ``docs/results/``) is prefilled with P random
+tokens into its caches; then ``tokens`` greedy steps (one token in, argmax out, the caches updated
 in place) are timed after ``warmup`` untimed steps, ``repeats`` times from a fresh prefill,
 the attentions taking turns within each round (so a machine whose load drifts slows them
 alike); the median ms/token is reported, with its ratio to softmax (KV cache) at the same P. Softmax

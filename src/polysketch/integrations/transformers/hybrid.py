@@ -52,7 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..._checks import check_positive_int
-from ...nn import MODEL_PRESETS, resolve_attention
+from ...nn import resolve_attention
+from ...nn.resolve import model_preset
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ConvertedAttention", "resolve_converted"]
 
@@ -106,7 +107,7 @@ def resolve_converted(
     lam = gradient_surrogate
     if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float))):
         raise TypeError(f"gradient_surrogate must be a float >= 0 or None, got {lam!r}")
-    preset = MODEL_PRESETS.get(attention)
+    preset = model_preset(attention)
     if preset is not None:
         if mixed:
             raise ValueError(
