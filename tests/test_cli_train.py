@@ -498,3 +498,12 @@ def test_a_bad_config_file_is_an_error_naming_it(tmp_path, capsys, content, mess
 
     assert re.search(message, err), err
     assert not (tmp_path / "o").exists()
+
+
+def test_help_states_the_warmup_default_the_cli_applies(capsys):
+    """``--warmup-steps`` is 10% of ``--steps`` when not given (``default_warmup``), not the
+    dataclass's 100: the help says so."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "linear warmup steps (default: 10% of --steps, at most 100)" in text

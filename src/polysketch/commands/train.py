@@ -65,6 +65,7 @@ _TRAIN_SKIP = ("out_dir", "block_size", "seed")  # --out, the model's block, --s
 _TRAIN_OPTIONS = {
     "amp": {"choices": ["bf16"]},
     "compile": {"nargs": "?", "const": "inductor", "metavar": "BACKEND"},
+    "warmup_steps": {"help": "linear warmup steps (default: 10%% of --steps, at most 100)"},
 }
 
 
