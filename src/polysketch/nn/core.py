@@ -36,7 +36,8 @@ below is shared. The core owns
 post-RoPE q, k, v in the operand dtype. Experiments change what a layer computes by wrapping
 it (or ``_global_queries``) on the instance, never through fields of the core: the warm
 start's exact attention (``nn.warm_start``), the global-part ablation (``nn.ablate``), the
-capture and diagnosis tools.
+capture and diagnosis tools. A wrapper without a sequence-shard form carries the reason as
+its ``shard_refusal`` attribute (a str), which ``sharding.check_core_on_shard`` raises.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ from ..distributed.comm import gather_ints
 from ..distributed.group import CPGroup, resolve_group
 from ..ops import window_attention
 from ..ops.varlen import check_cu_seqlens
-from .warm_start import exact_degree
 
 __all__ = [
     "CP_ALGORITHMS",
@@ -142,11 +141,9 @@ def check_core_on_shard(core, shard: SequenceShard) -> None:
             + ": mixed attention's block grid and the window would count each row's real "
             "tokens across ranks; pack documents with cu_seqlens instead of padding"
         )
-    if exact_degree(core) is not None:
-        raise ValueError(
-            "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
-            "context-parallel or packed form: switch it off first"
-        )
+    refusal = getattr(core.__dict__.get("_attend"), "shard_refusal", None)
+    if refusal is not None:  # an instance wrapper of the attention without a shard form
+        raise ValueError(refusal)
     if core.checkpoint:  # explicit True; the default (None) does not recompute on a shard
         raise ValueError(
             "checkpoint=True (rematerialization) is not supported on a sequence shard: the "

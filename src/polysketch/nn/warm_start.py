@@ -87,6 +87,10 @@ def _exact_mode(layer: nn.Module, p: int):
                                     key_padding_mask=kpm)  # fmt: skip
 
     attend.exact_degree = p
+    attend.shard_refusal = (  # read by sharding.check_core_on_shard
+        "the warm start's exact polynomial attention (set_exact_attention(True)) has no "
+        "context-parallel or packed form: switch it off first"
+    )
     return attend
 
 
