@@ -1,16 +1,29 @@
 """Sliding-window attention (``ops.window``): the O(T·w) block algorithm against the quadratic
-reference, outputs and gradients in fp64, awkward lengths, key padding, both kernels."""
+reference, outputs and gradients in fp64, awkward lengths, key padding, both kernels; each on
+the CPU path and on the accelerators' (``presented_device("cuda")``: the softmax window
+without padding through SDPA)."""
+
+import contextlib
 
 import pytest
 import torch
 
 from conftest import rel_err, seeded
+from polysketch._device import presented_device
 from polysketch.ops import (
     naive_window_attention,
     polynomial_attention,
     softmax_attention,
     window_attention,
 )
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def path(request):
+    """The device branch ``window_attention`` takes: the CPU's blocks, or the accelerators'
+    (SDPA for the softmax window without a key padding mask), on CPU tensors."""
+    with presented_device(request.param) if request.param != "cpu" else contextlib.nullcontext():
+        yield request.param
 
 
 def _qkv(t, *, b=2, h=3, d=5, e=4, seed=0, scale=1.0):
@@ -23,7 +36,7 @@ def _qkv(t, *, b=2, h=3, d=5, e=4, seed=0, scale=1.0):
 @pytest.mark.parametrize("t", [1, 2, 6, 7, 8, 97])
 @pytest.mark.parametrize("window", [1, 3, 7, 200])
 @pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
-def test_blocks_equal_the_reference_outputs_and_gradients(t, window, kernel):
+def test_blocks_equal_the_reference_outputs_and_gradients(t, window, kernel, path):
     q, k, v = (x.requires_grad_() for x in _qkv(t, scale=0.7))
     kw = {"window": window, "kernel": kernel, "degree": 4, "denominator_offset": 1.0}
     ours, ref = window_attention(q, k, v, **kw), naive_window_attention(q, k, v, **kw)
@@ -38,7 +51,7 @@ def test_blocks_equal_the_reference_outputs_and_gradients(t, window, kernel):
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
-def test_key_padding_and_nonfinite_padded_keys(kernel):
+def test_key_padding_and_nonfinite_padded_keys(kernel, path):
     q, k, v = (x.requires_grad_() for x in _qkv(23, seed=1))
     keep = torch.rand(2, 1, 23, generator=seeded(2)) > 0.3
     k2, v2 = (torch.where(keep[..., None], x, float("nan")) for x in (k, v))
@@ -51,7 +64,7 @@ def test_key_padding_and_nonfinite_padded_keys(kernel):
 
 @pytest.mark.parametrize("kernel", ["softmax", "polynomial"])
 @pytest.mark.parametrize("window", [1, 4, 9])
-def test_segments_keep_each_document_to_itself(kernel, window):
+def test_segments_keep_each_document_to_itself(kernel, window, path):
     """With document ids the blocks equal the reference, outputs and gradients, and each
     document equals the same attention on that document alone (no key of another one)."""
     q, k, v = (x.requires_grad_() for x in _qkv(29, seed=5, scale=0.7))
@@ -77,7 +90,7 @@ def test_segments_keep_each_document_to_itself(kernel, window):
         assert rel_err(ours, window_attention(q, k, v, **kw)) > 1e-3
 
 
-def test_the_band_is_the_last_w_keys():
+def test_the_band_is_the_last_w_keys(path):
     """Each row equals the exact attention over its own last w keys (itself included)."""
     q, k, v = _qkv(19, seed=3)
     w = 4
@@ -98,7 +111,7 @@ def test_the_band_is_the_last_w_keys():
     )
 
 
-def test_causal_and_bf16():
+def test_causal_and_bf16(path):
     q, k, v = _qkv(40, seed=4)
     out = window_attention(q, k, v, window=6)
     k2, v2 = k.clone(), v.clone()
@@ -124,3 +137,23 @@ def test_bad_arguments_name_themselves():
         window_attention(q, k, v, window=2, segments=torch.zeros(4, dtype=torch.long))
     with pytest.raises(TypeError, match="segments"):
         window_attention(q, k, v, window=2, segments=torch.zeros(5))
+
+
+def test_the_accelerator_path_runs_sdpa_for_the_softmax_window(monkeypatch):
+    """On the accelerators' branch the softmax window without padding is one SDPA call (the
+    fused kernel); with a key padding mask, or the polynomial kernel, the blocks run."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))  # fmt: skip
+    q, k, v = _qkv(50)
+    keep = torch.ones(2, 1, 50, dtype=torch.bool)
+    with presented_device("cuda"):
+        window_attention(q, k, v, window=8)
+        assert len(calls) == 1
+        window_attention(q, k, v, window=8, key_padding_mask=keep)
+        window_attention(q, k, v, window=8, kernel="polynomial")
+    window_attention(q, k, v, window=8)  # the CPU's blocks
+    assert len(calls) == 1

@@ -22,6 +22,12 @@ memory by blocks of b = min(w, T) rows: block n of queries sees only key blocks 
 ``naive_window_attention`` is the quadratic reference (the full masked score matrix).
 Precision: scores, softmax and normalizer in the compute dtype (fp32 for bf16/fp16 inputs);
 the output in the input dtype.
+
+On accelerators the softmax window without a key padding mask runs the same blocks through
+``torch.nn.functional.scaled_dot_product_attention`` with the band as a boolean mask (one
+fused kernel, FlashAttention's recomputation in backward: no (..., N, b, 2b) scores or
+weights in memory), in the compute dtype. Every query of that call sees at least itself
+(the key padding mask is the only way a row could see nothing), so no row is all -inf.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_positive_int, compute_dtype
+from .._device import device_type
 from ._constants import constant
 from ._validate import check_key_padding_mask, check_offset_eps, check_qkv
 from .naive import DEFAULT_EPS, stabilize_denominator
@@ -157,6 +164,9 @@ def window_attention(
 
     qb = blocks(q)
     kb, vb = with_previous(blocks(k)), with_previous(blocks(v))
+    if kernel == "softmax" and key_padding_mask is None and device_type(q.device) != "cpu":
+        out = _fused_blocks(qb, kb, vb, b, window, scale, blocks, with_previous, segments)
+        return out.flatten(-3, -2)[..., :t, :].to(dtype)
     # (..., N, 2b); the "previous block" of block 0 is padding, never kept
     kept = with_previous(blocks(keep.unsqueeze(-1), fill=False)).squeeze(-1)
     mask = _band(b, window, q.device) & kept.unsqueeze(-2)  # (..., N, b, 2b)
@@ -167,6 +177,28 @@ def window_attention(
     w = _weights(logits, mask, kernel, degree)
     out = _normalize(w @ vb, w.sum(-1, keepdim=True), kernel, offset, eps, cd)
     return out.flatten(-3, -2)[..., :t, :].to(dtype)
+
+
+def _fused_blocks(qb, kb, vb, b, window, scale, blocks, with_previous, segments):
+    """Softmax over the band of each (query block, key block pair) by SDPA (module
+    docstring): (..., N, b, D), (..., N, 2b, D), (..., N, 2b, E) -> (..., N, b, E). Block 0
+    has no previous block (masked); the zero-padded keys past T are not masked: no query of
+    the sequence reaches them, and each padded query row then sees at least itself."""
+    lead, n = qb.shape[:-3], qb.shape[-3]
+
+    def build():  # (2, b, 2b): block 0 (own block only), every later block
+        own = torch.arange(2 * b, device=qb.device) >= b
+        band = _band(b, window, qb.device)
+        return torch.stack([band & own, band])
+
+    pair = constant(("window_band_first", b, window, torch.device(qb.device)), build)
+    mask = torch.cat([pair[:1], pair[1:].expand(n - 1, b, 2 * b)])  # (N, b, 2b)
+    if segments is not None:  # (N, b, 1) == (N, 1, 2b): the same document only
+        seg = blocks(segments.unsqueeze(-1), fill=-1)
+        mask = mask & (seg == with_previous(seg).transpose(-1, -2))
+    q4, k4, v4 = (x.reshape(-1, n, *x.shape[-2:]) for x in (qb, kb, vb))  # (batch, N, ., .)
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return out.reshape(*lead, n, b, vb.shape[-1])
 
 
 def naive_window_attention(
