@@ -43,6 +43,7 @@ class Setting:
     model_contexts: tuple[int, ...]
     model_size: tuple[int, int, int] | None  # (layers, heads, width); None: the bench's
     model_min_time: float
+    compiled_contexts: tuple[int, ...]  # the model step compiled (reduce-overhead) beside eager
     decode_positions: tuple[int, ...]
     decode_size: tuple[int, int, int] | None  # TransformerLM (layers, heads, width); None: 4x256
     decode_tokens: int
@@ -54,17 +55,23 @@ GPU = Setting(
     device="cuda", lengths=(16384, 65536, 1024, 2048, 4096, 8192, 32768), heads=12,
     sketch_dim=32, plain_pairs=128, min_time=0.3, min_repeats=3,
     model_contexts=(8192, 16384, 32768), model_size=None, model_min_time=1.0,
+    compiled_contexts=(8192,),
     decode_positions=(2048, 32768), decode_size=None, decode_tokens=16, decode_repeats=3,
     parallel_tests=True,
 )  # fmt: skip
 SMOKE = Setting(
     device="cpu", lengths=(32,), heads=1, sketch_dim=16, plain_pairs=8, min_time=0.0,
     min_repeats=1, model_contexts=(32,), model_size=(1, 2, 32), model_min_time=0.0,
+    compiled_contexts=(),
     decode_positions=(16,), decode_size=(1, 2, 32), decode_tokens=2, decode_repeats=1,
     parallel_tests=False,
 )  # fmt: skip
 ATTENTIONS = ("softmax", "psf_random", "soft_hash_far_local")
 """The model and decode stages' attentions (the converted Llama: all but the model preset)."""
+COMPILED = ("softmax", "psf_random")
+"""The attentions whose model step is also timed compiled (``torch.compile``, inductor,
+mode "reduce-overhead": CUDA graphs replay the step, no host time per launch)."""
+COMPILED_LABEL = " (compiled)"
 
 
 def run(stage: str, *, smoke: bool, out: Path, budget: float, warm=()) -> dict | None:
@@ -319,40 +326,51 @@ def _model(setting: Setting, out: Path, deadline: float) -> dict:
     if setting.model_size is not None:
         size = dict(zip(("n_layer", "n_head", "n_embd"), setting.model_size, strict=True))
     rows, skipped, walls = [], [], {}
-    for t in setting.model_contexts:
-        for attention in ATTENTIONS:
-            prev = walls.get(attention)
-            estimate = 0.0 if prev is None else prev[1] * t / prev[0]
-            if not _fits(deadline, estimate):
-                skipped.append(f"{attention} T={t}")
-                rows.append({"attention": attention, "T": t,
-                             "status": f"skipped (budget: ~{estimate:.0f} s)"})  # fmt: skip
-                continue
-            t0 = time.monotonic()
-            config = ModelBenchConfig(attentions=(attention,), contexts=(t,), device=setting.device,
-                                      min_time=setting.model_min_time,
-                                      min_repeats=max(1, setting.min_repeats - 1),
-                                      progress=False, **size)  # fmt: skip
-            try:
-                rows += run_model_benchmark(config)["rows"]
-            except Exception as err:  # recorded; the next row runs
-                _free(setting)
-                status = f"error ({type(err).__name__}: {str(err).splitlines()[0][:150]})"
-                rows.append({"attention": attention, "T": t, "status": status})
+    runs = [(t, a, False) for t in setting.model_contexts for a in ATTENTIONS]
+    runs += [(t, a, True) for t in setting.compiled_contexts for a in COMPILED]
+    for t, attention, compiled in runs:
+        label = attention + (COMPILED_LABEL if compiled else "")
+        compile_kw = {"compile": "inductor", "compile_mode": "reduce-overhead"} if compiled else {}
+        prev = walls.get(attention)  # a compiled step: the eager one's time, compiling aside
+        estimate = 0.0 if prev is None else prev[1] * t / prev[0] + (60.0 if compiled else 0)
+        if not _fits(deadline, estimate):
+            skipped.append(f"{label} T={t}")
+            rows.append({"attention": label, "T": t,
+                         "status": f"skipped (budget: ~{estimate:.0f} s)"})  # fmt: skip
+            continue
+        t0 = time.monotonic()
+        config = ModelBenchConfig(attentions=(attention,), contexts=(t,), device=setting.device,
+                                  min_time=setting.model_min_time,
+                                  min_repeats=max(1, setting.min_repeats - 1),
+                                  progress=False, **size, **compile_kw)  # fmt: skip
+        try:
+            got = run_model_benchmark(config)["rows"]
+            rows += [{**r, "attention": label} for r in got]
+        except Exception as err:  # recorded; the next row runs
+            _free(setting)
+            status = f"error ({type(err).__name__}: {str(err).splitlines()[0][:150]})"
+            rows.append({"attention": label, "T": t, "status": status})
+        if not compiled:
             walls[attention] = (t, time.monotonic() - t0)
-            write(out / "model.csv", _with_ratios(rows), MODEL_FIELDS)
+        write(out / "model.csv", _with_ratios(rows), MODEL_FIELDS)
     write(out / "model.csv", _with_ratios(rows), MODEL_FIELDS)
     status = "ok" if not skipped else f"partial (budget: skipped {', '.join(skipped)})"
     return {"status": status, "rows": len(rows)}
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:
-    """The rows with x_softmax (tokens/s over softmax's at the same T) filled in."""
-    soft = {r["T"]: r["tokens_per_s"] for r in rows
-            if r["attention"] == "softmax" and r.get("status") == "ok"}  # fmt: skip
+    """The rows with x_softmax (tokens/s over softmax's at the same T, compiled against
+    compiled softmax) filled in."""
+
+    def kind(r):
+        return (r["T"], str(r["attention"]).endswith(COMPILED_LABEL))
+
+    soft = {kind(r): r["tokens_per_s"] for r in rows
+            if str(r["attention"]).removesuffix(COMPILED_LABEL) == "softmax"
+            and r.get("status") == "ok"}  # fmt: skip
     for r in rows:
-        if r.get("status") == "ok" and r["T"] in soft:
-            r["x_softmax"] = r["tokens_per_s"] / soft[r["T"]]
+        if r.get("status") == "ok" and kind(r) in soft:
+            r["x_softmax"] = r["tokens_per_s"] / soft[kind(r)]
     return rows
 
 

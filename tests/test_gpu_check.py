@@ -58,3 +58,33 @@ def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path, mo
     assert "| model | ok |" in summary
     assert "0 passed, 0 failed, 0 error, 0 skipped (not run" in summary
     assert all(r["status"] == "ok" for r in _rows(out / "model.csv"))
+
+
+def test_compiled_rows_are_compared_with_compiled_softmax():
+    """The model stage's compiled rows (``COMPILED``) get x_softmax against softmax compiled
+    the same way, the eager rows against eager softmax."""
+    import gpu_check_stages as stages
+
+    label = stages.COMPILED_LABEL
+    rows = [
+        {"attention": "softmax", "T": 8, "status": "ok", "tokens_per_s": 100.0},
+        {"attention": "psf_random", "T": 8, "status": "ok", "tokens_per_s": 50.0},
+        {"attention": "softmax" + label, "T": 8, "status": "ok", "tokens_per_s": 200.0},
+        {"attention": "psf_random" + label, "T": 8, "status": "ok", "tokens_per_s": 300.0},
+    ]
+    got = {r["attention"]: r["x_softmax"] for r in stages._with_ratios(rows)}
+    assert got == {"softmax": 1.0, "psf_random": 0.5, "softmax" + label: 1.0,
+                   "psf_random" + label: 1.5}  # fmt: skip
+
+
+def test_model_bench_compile_mode_is_checked():
+    import pytest
+
+    from polysketch.eval.bench import ModelBenchConfig
+
+    with pytest.raises(ValueError, match="compile_mode needs compile"):
+        ModelBenchConfig(compile_mode="reduce-overhead").resolved()
+    with pytest.raises(ValueError, match="compile_mode"):
+        ModelBenchConfig(compile="inductor", compile_mode="fast").resolved()
+    ok = ModelBenchConfig(compile="inductor", compile_mode="reduce-overhead").resolved()
+    assert ok.compile_mode == "reduce-overhead"

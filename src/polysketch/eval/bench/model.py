@@ -43,6 +43,9 @@ MODEL_FIELDS = (
     "first_step_s", "repeats", "chunk_size",
 )  # fmt: skip
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch.compile``'s modes (``ModelBenchConfig.compile_mode``)."""
+
 DEFAULT_CHUNK = 256
 """The block length b of attentions without one of their own (PolySketchFormer's 256)."""
 
@@ -63,6 +66,7 @@ class ModelBenchConfig:
     batch: int = 1
     amp: str | None = None  # "bf16": autocast (the default on CUDA)
     compile: str | None = None  # a torch.compile backend
+    compile_mode: str | None = None  # torch.compile's mode ("reduce-overhead": CUDA graphs)
     device: str = "cpu"
     threads: int | None = None
     min_time: float = 2.0
@@ -90,6 +94,10 @@ class ModelBenchConfig:
             check_choice(out.amp, "amp", ["bf16"])
         if out.compile is not None:
             check_choice(out.compile, "compile", torch._dynamo.list_backends(exclude_tags=()))
+        if out.compile_mode is not None:
+            if out.compile is None:
+                raise ValueError("compile_mode needs compile (a torch.compile backend)")
+            check_choice(out.compile_mode, "compile_mode", COMPILE_MODES)
         check_positive_int(out.batch, "batch")
         if out.chunk_size is not None:
             check_positive_int(out.chunk_size, "chunk_size")
@@ -159,7 +167,9 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
                 row.update(attention=attention, T=t, chunk_size=cfg.chunk_for(attention))
                 model = TransformerLM(_model_config(cfg, attention, t)).to(device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                runner = model if cfg.compile is None else torch.compile(model, backend=cfg.compile)
+                runner = model
+                if cfg.compile is not None:
+                    runner = torch.compile(model, backend=cfg.compile, mode=cfg.compile_mode)
                 gen = torch.Generator().manual_seed(cfg.seed)
                 idx = torch.randint(0, 256, (cfg.batch, t + 1), generator=gen).to(device)
                 step = partial(_step, runner, optimizer, idx, cfg.amp)
