@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from numerics import assert_as_accurate
 from polysketch.data.corpus import load_corpus
 from polysketch.nn import TransformerConfig
 from polysketch.train import TrainConfig, load_checkpoint, load_model, train
@@ -21,10 +22,12 @@ from test_distributed_harness import run_ranks
 TEXT = "".join(
     f"{i}: all the world's a stage, and all the men and women merely players\n" for i in range(80)
 )
-# fp32: rounding, amplified by AdamW over 20 steps, depends on the CPU's BLAS kernels: the largest
-# relative difference was 4.8e-6 where docs/results/cp/README.md was measured and 1.5e-5 on an
-# AMD EPYC machine (2026-11-24); the fp64 tests below check that the algorithm is exact (1e-10)
-LOSS_RTOL = 1e-4
+# fp32 losses of two layouts differ by rounding that AdamW amplifies over 20 steps where
+# gradients are near zero, by an amount that depends on the CPU's BLAS path (relative 5e-6 on
+# one machine, 4e-4 on another under MKL_CBWR=COMPATIBLE): no fixed tolerance is portable. The
+# fp32 runs are judged by flash-attention's rule instead (``_close``): the layout's losses are
+# as close to the fp64 one-process run as the fp32 one-process run is (numerics.py); the fp64
+# tests below check that the algorithm itself is exact (1e-10).
 
 
 def _model_config(**kw) -> TransformerConfig:
@@ -72,17 +75,32 @@ def _single(tmp, model_kw=None, train_kw=None, **kw) -> dict:
     return _summary(history)
 
 
-def _close(got: dict, want: dict) -> None:
-    for key in ("loss", "val"):
-        torch.testing.assert_close(got[key], want[key], rtol=LOSS_RTOL, atol=0)
+def _single_fp64(tmp, model_kw=None, train_kw=None, **kw) -> dict:
+    """``_single`` with float64 as the default dtype (the model and its training in fp64)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _single(tmp, model_kw, train_kw, **kw)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _close(got: dict, want: dict, exact: dict) -> None:
+    """``got`` (fp32 losses of a layout) as accurate as ``want`` (fp32, one process) against
+    ``exact`` (fp64, one process): training and validation losses together, relative
+    Frobenius error, at most twice the one-process run's (plus one fp32 unit roundoff)."""
+
+    def vec(x):
+        return torch.cat([x["loss"], x["val"]])
+
+    assert_as_accurate(vec(got).float(), vec(want).float(), vec(exact), norm="fro")
     assert want["loss"][-1] < want["loss"][0] - 0.5  # it trained
 
 
 def test_cp2_training_equals_one_process(tmp_path):
-    want = _single(str(tmp_path))
+    want, exact = _single(str(tmp_path)), _single_fp64(str(tmp_path))
     results = run_ranks(2, _rank_train, str(tmp_path), {}, {"cp": 2})
     for r in results:  # every rank reports the global loss
-        _close(r, want)
+        _close(r, want, exact)
 
 
 @pytest.mark.parametrize(
@@ -97,8 +115,9 @@ def test_cp2_training_equals_one_process(tmp_path):
 def test_mesh_training_equals_one_process(tmp_path, world, model_kw, train_kw):
     single_kw = {k: v for k, v in train_kw.items() if k not in ("cp", "fsdp")}
     want = _single(str(tmp_path), model_kw, single_kw)
+    exact = _single_fp64(str(tmp_path), model_kw, single_kw)
     for r in run_ranks(world, _rank_train, str(tmp_path), model_kw, train_kw, timeout=600):
-        _close(r, want)
+        _close(r, want, exact)
 
 
 def test_bf16_autocast_on_cp2_trains_like_one_process(tmp_path):
@@ -143,7 +162,7 @@ def test_resume_is_exact_within_a_layout_and_to_rounding_across(tmp_path, world,
     run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/b"}, False, 10)
     state = load_checkpoint(f"{tmp}/b/ckpt.pt", restore_rng=False)
     assert state["step"] == 10
-    reference = _single(tmp)  # one process, 20 steps
+    reference, exact = _single(tmp), _single_fp64(tmp)  # one process, 20 steps
     model = state["model"]
     assert set(model) >= {"wte.weight", "lm_head.weight"} and all(
         type(v) is torch.Tensor for v in model.values()
@@ -155,7 +174,7 @@ def test_resume_is_exact_within_a_layout_and_to_rounding_across(tmp_path, world,
     assert torch.equal(resumed["val"], straight["val"])
     # the same checkpoint continued on ONE process: equal to rounding
     one = _single(tmp, train_kw={"out_dir": f"{tmp}/c"}, resume=True)
-    _close(one, reference)
+    _close(one, reference, exact)
 
 
 def _rank_generate(rank, world, tmp) -> dict:
@@ -199,10 +218,16 @@ def test_mqar_fsdp_with_accumulation_and_an_empty_validation_share():
     rank joins FSDP2's collectives. Losses and validation losses as on one process."""
     cfg = _train_config(steps=6, eval_interval=3, grad_accum=2)
     want = _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
+    torch.set_default_dtype(torch.float64)
+    try:
+        exact = _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
+    finally:
+        torch.set_default_dtype(torch.float32)
     for world, kw in ((2, {"fsdp": True, "grad_accum": 2}), (4, {"fsdp": True})):
         for r in run_ranks(world, _rank_train_mqar, kw):
-            torch.testing.assert_close(r["loss"], want["loss"], rtol=LOSS_RTOL, atol=0)
-            torch.testing.assert_close(r["val"], want["val"], rtol=LOSS_RTOL, atol=0)
+            assert_as_accurate(torch.cat([r["loss"], r["val"]]).float(),
+                               torch.cat([want["loss"], want["val"]]).float(),
+                               torch.cat([exact["loss"], exact["val"]]), norm="fro")  # fmt: skip
 
 
 def test_pack_rows_starts_documents_at_rows_and_after_separators():
@@ -216,10 +241,11 @@ def test_packed_training_cp2_equals_one_process(tmp_path):
     """--pack: the same packed run on one process and on cp 2 (documents cross the shards)."""
     conv = {"short_conv": 3}  # the short convolution resets at document starts too
     want = _single(str(tmp_path), conv, {"pack": True})
+    exact = _single_fp64(str(tmp_path), conv, {"pack": True})
     plain = _single(str(tmp_path), conv)
     assert not torch.equal(want["loss"], plain["loss"])  # packing changed what is computed
     for r in run_ranks(2, _rank_train, str(tmp_path), conv, {"pack": True, "cp": 2}):
-        _close(r, want)
+        _close(r, want, exact)
 
 
 def test_mesh_refusals():
