@@ -133,9 +133,9 @@ def tokens(vocab_size: int) -> torch.Tensor:
 def build(config: dict) -> TransformerLM:
     """The case's model in fp64, eval mode; hybrid_clustered maps fitted on fixed samples.
 
-    Built under torch's global RNG seeded with MODEL_SEED (and restored after): the weights
-    come from ``config.seed``, but ``short_conv``'s bias takes torch's default init, drawn from
-    the global RNG."""
+    Built under torch's global RNG seeded with MODEL_SEED (and restored after), although
+    every weight comes from ``config.seed`` (``short_conv``'s bias too, since it stopped
+    reading the global RNG: ``v-based``'s references were rewritten then, CHANGELOG)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
         model = TransformerLM(TransformerConfig(**{**BASE, **config})).double().eval()

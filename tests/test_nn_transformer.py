@@ -513,3 +513,19 @@ def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotat
                           **small).validate()  # fmt: skip
     with pytest.raises(TypeError, match="global_rope"):
         TransformerConfig(attention="soft_hash_far", global_rope="no", **small).validate()
+
+
+@pytest.mark.parametrize("short_conv", [0, 3])
+def test_a_model_is_a_function_of_its_config_not_of_the_global_rng(short_conv):
+    """Every parameter comes from ``config.seed`` (the short convolution's bias too): two
+    builds under different global RNG states are identical."""
+    cfg = TransformerConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32,
+                            chunk_size=16, attention="psf_mixed", short_conv=short_conv)  # fmt: skip
+    torch.manual_seed(1)
+    a = TransformerLM(cfg).state_dict()
+    torch.manual_seed(2)
+    b = TransformerLM(cfg).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if short_conv:  # the bias keeps Conv1d's U(-1/sqrt(K), 1/sqrt(K))
+        bias = a["blocks.0.attn.conv.bias"]
+        assert bias.abs().max() <= 3**-0.5 and bias.std() > 0.1

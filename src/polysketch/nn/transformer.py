@@ -35,6 +35,7 @@ from .attention import KernelAttention
 from .cache import ParallelCache
 from .resolve import resolve_model
 from .sharding import check_core_on_shard, make_shard
+from .short_conv import ShortConv
 from .spec import ModelSpec
 from .warm_start import set_exact_attention as _set_exact_attention
 
@@ -302,8 +303,10 @@ class TransformerLM(nn.Module):
     def _init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) for linears and embeddings, residual outputs / √(2 n_layer).
 
-        Drawn from a generator seeded with ``config.seed`` (reproducible models); feature
-        maps keep their own initialization.
+        Drawn from a generator seeded with ``config.seed`` (reproducible models: nothing
+        reads the global RNG); feature maps keep their own (seeded) initialization. A short
+        convolution's bias keeps ``Conv1d``'s distribution, U(−1/√K, 1/√K) for K taps, drawn
+        from the same generator.
         """
         gen = make_generator(self.config.seed)
         std = 0.02
@@ -313,7 +316,13 @@ class TransformerLM(nn.Module):
             if blk.attn.feature_map is not None
             for p in blk.attn.feature_map.parameters()
         }
+        conv_bias = {id(m.bias): m.kernel_size for m in self.modules() if isinstance(m, ShortConv)}
         for name, p in self.named_parameters():
+            if id(p) in conv_bias:
+                bound = conv_bias[id(p)] ** -0.5
+                u = torch.rand(p.shape, generator=gen, dtype=torch.float64)
+                p.copy_((2 * u - 1) * bound)
+                continue
             if id(p) in skip or p.dim() < 2:
                 continue
             scale = (
