@@ -1,6 +1,8 @@
 """Training: the loop (AdamW, warmup + cosine, accumulation, bf16, DDP), checkpoints, resume.
 
-- ``TrainConfig``, ``train(model_config, train_config, data, resume=..., progress=...)``.
+- ``TrainConfig``, ``train(model_config, train_config, data, resume=..., progress=...)``;
+  ``check_launch`` (the launch's layout, before any work); ``WarmupWarning`` (a warmup as
+  long as the run) and ``TrainingOutOfMemoryError`` (what ``train`` raises out of memory).
 - ``MQARData``: an MQAR train/validation set for ``train``; a ``polysketch.data.Corpus`` is
   the other accepted data.
 - ``warmup_cosine``: the LambdaLR schedule; ``learning_rate``: its formula.
@@ -26,12 +28,22 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .distributed import DistContext, rank_slice
-from .loop import CHECKPOINT_NAME, param_groups, train
+from .loop import (
+    CHECKPOINT_NAME,
+    TrainingOutOfMemoryError,
+    WarmupWarning,
+    check_launch,
+    param_groups,
+    train,
+)
 from .schedule import WarmupCosine, learning_rate, warmup_cosine
 
 __all__ = [
     "TrainConfig",
     "train",
+    "check_launch",
+    "WarmupWarning",
+    "TrainingOutOfMemoryError",
     "MQARData",
     "CorpusBatches",
     "MQARBatches",
