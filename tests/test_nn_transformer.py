@@ -519,8 +519,8 @@ def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotat
 def test_a_model_is_a_function_of_its_config_not_of_the_global_rng(short_conv):
     """Every parameter comes from ``config.seed`` (the short convolution's bias too): two
     builds under different global RNG states are identical."""
-    cfg = TransformerConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32,
-                            chunk_size=16, attention="psf_mixed", short_conv=short_conv)  # fmt: skip
+    small = dict(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32, chunk_size=16)
+    cfg = TransformerConfig(attention="psf_mixed", short_conv=short_conv, **small)
     torch.manual_seed(1)
     a = TransformerLM(cfg).state_dict()
     torch.manual_seed(2)
