@@ -1,20 +1,12 @@
-"""Softmax-estimator measurements: angle sweep (HRF Fig. 2), UCI MSE (Table 1), FLOPs, plots."""
+"""Softmax-estimator measurement of the package: the angle sweep (HRF Fig. 2) and its plot.
+
+The HRF Table 1 on UCI data is research: ``tests/test_experiments_hrf_table1.py``."""
 
 import math
-import sys
 
 import pytest
-import torch
 
-from polysketch.eval.fidelity.softmax import (
-    angle_sweep,
-    dataset_mse,
-    feature_flops,
-    load_dataset,
-    plot_angle_sweep,
-    plot_dataset_mse,
-)
-from polysketch.features import create
+from polysketch.eval.fidelity.softmax import angle_sweep, plot_angle_sweep
 
 ROW_KEYS = {"map", "theta", "radius", "num_features", "feature_dim", "mse", "rel_err"}
 
@@ -72,48 +64,6 @@ def test_angle_sweep_is_seeded():
     assert angle_sweep("positive", seed=3, **kw) != angle_sweep("positive", seed=4, **kw)
 
 
-def test_feature_flops_model():
-    pos = create("positive", 10, num_features=6, seed=0)
-    assert feature_flops(pos) == 2 * 6 * 10 + 2 * 6
-    fmap = create("hybrid_clustered", 10, num_features=6, seed=0).fit(
-        torch.randn(20, 10), torch.randn(20, 10)
-    )
-    assert feature_flops(fmap) == 2 * 2 * 10 + 2 * 2 * 12 * 10 + fmap.feature_dim
-    with pytest.raises(TypeError, match="feature_map"):
-        feature_flops("positive")
-
-
-def test_load_dataset_preprocessing():
-    data = load_dataset("wine", radius=1.5)
-    assert data.shape == (178, 13) and data.dtype == torch.float64
-    assert torch.allclose(data.norm(dim=-1), torch.full((178,), 1.5, dtype=torch.float64))
-    assert load_dataset("diabetes").shape == (442, 10)
-
-
-@pytest.mark.parametrize("match", ["features", "flops"])
-def test_dataset_mse_on_wine(match):
-    names = ["trig", "positive", "hybrid_angular", "hybrid_clustered"]
-    rows = dataset_mse(names, budget=32, match=match, pairs=20, trials=8, progress=False)
-    assert [r["map"] for r in rows] == names
-    limit = 32 if match == "features" else feature_flops(create("positive", 13, num_features=16))
-    for row in rows:
-        assert row["dataset"] == "wine" and row["match"] == match and row["budget"] == 32
-        assert math.isfinite(row["mse"]) and row["mse"] > 0 and math.isfinite(row["mse_std"])
-        assert (row["feature_dim"] if match == "features" else row["flops"]) <= limit
-    base = {r["map"]: r for r in rows}
-    assert base["positive"]["num_features"] == 16 and base["trig"]["feature_dim"] == 32
-    if match == "features":  # hybrid_angular: F = 4m(n + 1) = 20m <= 32 -> m = 1
-        assert base["hybrid_angular"]["num_features"] == 1
-    else:  # FLOP matching buys the hybrid more base features than feature matching
-        assert base["hybrid_angular"]["num_features"] > 1
-
-
-def test_dataset_mse_without_sklearn(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn", None)
-    with pytest.raises(ImportError, match=r"polysketch\[eval\]"):
-        dataset_mse("positive", pairs=2, trials=2, progress=False)
-
-
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="maps"):
         angle_sweep("no_such_map", progress=False)
@@ -125,12 +75,6 @@ def test_bad_arguments_name_themselves():
         angle_sweep("positive", num_angles=1, progress=False)
     with pytest.raises(ValueError, match="radius"):
         angle_sweep("positive", radius=0.0, progress=False)
-    with pytest.raises(ValueError, match="match"):
-        dataset_mse("positive", match="time", progress=False)
-    with pytest.raises(ValueError, match="dataset"):
-        dataset_mse("positive", dataset="iris", progress=False)
-    with pytest.raises(ValueError, match="budget"):
-        dataset_mse("positive", budget=1, progress=False)
     with pytest.raises(ValueError, match="rows"):
         plot_angle_sweep([], "unused.png")
 
@@ -140,12 +84,6 @@ def _is_png(path):
     return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
 
 
-def test_plots_write_pngs(tmp_path, sweep_rows):
+def test_plot_writes_png(tmp_path, sweep_rows):
     out = plot_angle_sweep(sweep_rows, tmp_path / "sweep" / "fig2.png")
     assert out == tmp_path / "sweep" / "fig2.png" and _is_png(out)
-    rows = [
-        {"map": m, "dataset": d, "mse": v, "mse_std": v / 4}
-        for m, v in (("positive", 1e-2), ("hybrid_angular", 3e-3))
-        for d in ("wine", "diabetes")
-    ]
-    assert _is_png(plot_dataset_mse(rows, tmp_path / "table1.png"))

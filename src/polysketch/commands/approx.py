@@ -8,11 +8,9 @@ of the same state size (LLoPS Thm 3.1). It prints a table and writes ``results.c
 ``--overwrite``). A ``--maps`` name that is not a map of the mode's family is an error before
 anything is written, and so is a run in which every map was skipped.
 
-Softmax mode (``--kernel softmax``) runs the hybrid-random-features experiments of
-``polysketch.eval.fidelity.softmax``: the error of softmax-kernel estimators vs the angle
-between q and k (``--experiment angles``, HRF Fig. 2 style) or their MSE on a UCI data set
-(``--experiment datasets``), writing ``angles.csv``/``angles.png`` or
-``datasets.csv``/``datasets.png``.
+Softmax mode (``--kernel softmax``) measures the error of softmax-kernel estimators against
+the angle between q and k on the sphere (``polysketch.eval.fidelity.softmax.angle_sweep``, HRF
+Fig. 2 style), writing ``angles.csv`` and ``angles.png``.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         metavar="F",
         help="feature dims asked (polynomial: 16 32 64 128; softmax: the first "
-        "is m per estimator / the budget, default that function's own)",
+        "is m per estimator, default angle_sweep's own)",
     )
     parser.add_argument(
         "--source",
@@ -82,8 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--num",
         type=int,
         default=None,
-        help="queries and keys sampled (polynomial: default 256; softmax "
-        "datasets: number of pairs)",
+        help="queries and keys sampled (polynomial mode; default 256)",
     )
     parser.add_argument(
         "--trials",
@@ -155,21 +152,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     softmax = parser.add_argument_group("softmax mode")
-    softmax.add_argument("--experiment", choices=("angles", "datasets"), default="angles")
-    softmax.add_argument("--radius", type=float, default=None, help="‖q‖ = ‖k‖ (angles)")
+    softmax.add_argument("--radius", type=float, default=None, help="‖q‖ = ‖k‖")
     softmax.add_argument("--num-angles", type=int, default=None, help="angles in [0, π]")
     softmax.add_argument(
         "--lambda-features",
         type=int,
         default=None,
         help="random features of the hybrids' λ estimators",
-    )
-    softmax.add_argument("--dataset", choices=("wine", "diabetes"), default="wine")
-    softmax.add_argument(
-        "--match",
-        choices=("features", "flops"),
-        default="features",
-        help="compare estimators at equal feature count or equal FLOPs",
     )
     parser.set_defaults(func=run)
     return parser
@@ -246,15 +235,13 @@ def _run_softmax(args, out: Path) -> int:
         print("no softmax feature maps are available")
         return 1
     rows = approx.measure_softmax(
-        names, experiment=args.experiment, seed=args.seed, progress=not args.no_progress,
-        trials=args.trials, dim=args.dim,
+        names, seed=args.seed, progress=not args.no_progress, trials=args.trials, dim=args.dim,
         num_features=args.feature_dims[0] if args.feature_dims else None,
         lambda_features=args.lambda_features, radius=args.radius, num_angles=args.num_angles,
-        dataset=args.dataset, match=args.match, pairs=args.num,
     )  # fmt: skip
     for row in rows:
         print(approx.format_row(row))
-    for path in approx.write_softmax(rows, out, experiment=args.experiment):
+    for path in approx.write_softmax(rows, out):
         print(f"wrote {path}")
     return 0
 

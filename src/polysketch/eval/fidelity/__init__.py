@@ -7,7 +7,7 @@
 * ``data_sources``: ``load_qk`` (Gaussian, sphere, or a ``.pt``/``.npz``/``.npy`` file);
 * ``capture``: the q, k (and v) a model's attention layers receive (``capture_qk``,
   ``capture_qkv``), per-head samples;
-* ``softmax``: the hybrid-random-features experiments (error vs angle, MSE on UCI data);
+* ``softmax``: softmax-kernel estimators' error vs the angle between q and k (HRF Fig. 2);
 * ``approx``: what ``polysketch approx`` measures and writes.
 
 The names of the former module ``polysketch.eval.fidelity`` are importable from here as

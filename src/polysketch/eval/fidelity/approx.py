@@ -8,9 +8,9 @@ each state size (LLoPS Thm 3.1, ``optimal_curve``); ``format_table`` prints the 
 ``default_maps`` picks the registered maps of a family that build with defaults;
 ``fit_samples`` the samples learnable maps (LLoPS) are fitted on.
 
-Softmax mode: ``measure_softmax(names, experiment=...)`` runs the hybrid-random-features
-experiments of ``softmax`` (error vs angle, HRF Fig. 2; MSE on a UCI data set, HRF Table 1)
-and ``write_softmax`` writes ``angles.csv``/``angles.png`` or ``datasets.csv``/``datasets.png``.
+Softmax mode: ``measure_softmax(names, ...)`` runs ``softmax.angle_sweep`` (the error of
+softmax-kernel estimators vs the angle between q and k, HRF Fig. 2) and ``write_softmax``
+writes ``angles.csv`` and ``angles.png``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,6 @@ def format_row(row: dict) -> str:
 def measure_softmax(
     names: Sequence[str],
     *,
-    experiment: str = "angles",
     seed: int = 0,
     progress: bool = True,
     trials: int | None = None,
@@ -183,33 +182,19 @@ def measure_softmax(
     lambda_features: int | None = None,
     radius: float | None = None,
     num_angles: int | None = None,
-    dataset: str = "wine",
-    match: str = "features",
-    pairs: int | None = None,
 ) -> list[dict]:
-    """``softmax.angle_sweep`` (``experiment="angles"``) or ``softmax.dataset_mse``
-    (``"datasets"``; ``num_features`` is the budget, ``pairs`` the pairs) on ``names``; the
-    options left None keep those functions' defaults."""
-    common = {"seed": seed, "progress": progress, **_given(trials=trials)}
-    if experiment == "angles":
-        return softmax.angle_sweep(
-            names, **common, **_given(dim=dim, radius=radius, num_angles=num_angles,
-                                      num_features=num_features, lambda_features=lambda_features),
-        )  # fmt: skip
-    if experiment == "datasets":
-        return softmax.dataset_mse(
-            names, **common, dataset=dataset, match=match,
-            **_given(budget=num_features, pairs=pairs, lambda_features=lambda_features,
-                     radius=radius),
-        )  # fmt: skip
-    raise ValueError(f"experiment must be 'angles' or 'datasets', got {experiment!r}")
+    """``softmax.angle_sweep`` on ``names``; the options left None keep its defaults."""
+    return softmax.angle_sweep(
+        names, seed=seed, progress=progress,
+        **_given(trials=trials, dim=dim, radius=radius, num_angles=num_angles,
+                 num_features=num_features, lambda_features=lambda_features),
+    )  # fmt: skip
 
 
-def write_softmax(rows: list[dict], out, *, experiment: str) -> list[Path]:
-    """``{experiment}.csv`` and ``{experiment}.png`` of ``measure_softmax``'s rows."""
+def write_softmax(rows: list[dict], out) -> list[Path]:
+    """``angles.csv`` and ``angles.png`` of ``measure_softmax``'s rows."""
     out = Path(out)
-    plot = softmax.plot_angle_sweep if experiment == "angles" else softmax.plot_dataset_mse
-    return [write_csv(rows, out / f"{experiment}.csv"), plot(rows, out / f"{experiment}.png")]
+    return [write_csv(rows, out / "angles.csv"), softmax.plot_angle_sweep(rows, out / "angles.png")]
 
 
 def _given(**kwargs) -> dict:
