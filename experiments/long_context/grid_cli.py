@@ -80,7 +80,7 @@ def register(subparsers) -> None:
     g.add_argument("--n-head", type=int, default=2)
     g.add_argument("--chunk-size", type=int, default=64)
     g.add_argument("--runs", default=None, help="checkpoint folder (default "
-                   "runs/long_context/grid; --smoke: OUT/runs)")  # fmt: skip
+                   "runs/long_context/NAME for --out .../NAME; --smoke: OUT/runs)")  # fmt: skip
     p.set_defaults(run=lambda args, argv: guarded(_run, args, argv))
 
 
@@ -136,7 +136,8 @@ def _run(args, argv) -> int:
         diag=ResultCSV(out / "grid_diag.csv", (*CELL_KEY, "step", *DIAG_COLUMNS), DIAG_KEY,
                        **kw),
     )  # fmt: skip
-    runs = args.runs or (out / "runs" if args.smoke else "runs/long_context/grid")
+    # one checkpoint folder per --out: two grids sharing one would resume each other's cells
+    runs = args.runs or (out / "runs" if args.smoke else Path("runs/long_context") / out.name)
     attentions = sorted(dict.fromkeys(args.attentions), key=lambda a: a != REFERENCE)
     cells = [
         {"distance": d, "schedule": s, "batch_size": b, "seed": seed, "attention": a}
