@@ -254,3 +254,99 @@ def test_grid_runs_a_surrogate_schedule_from_its_evaluations(tmp_path):
              for r in _rows(out / "grid_curve.csv")}  # fmt: skip
     assert curve[("", 2)]["second"] == curve[("surrogate=100:10:2", 2)]["second"]
     assert curve[("", 4)]["second"] != curve[("surrogate=100:10:2", 4)]["second"]
+
+
+def test_surrogate_values_parses():
+    from experiments.long_context.surrogate_values import split_values
+
+    assert split_values("soft_hash_far_local") == ("soft_hash_far_local", None)
+    assert split_values("soft_hash_far_local:num_features=64@values=0.5") == (
+        "soft_hash_far_local:num_features=64", 0.5)  # fmt: skip
+    for bad in ("x@values=a", "x@values=-1"):
+        with pytest.raises(ValueError, match="values"):
+            split_values(bad)
+
+
+def test_surrogate_values_gives_the_values_a_near_uniform_attentions_gradient():
+    """fp64, one global branch: the term is 0 in value, q and k get the library surrogate's
+    gradient unchanged, and v gets μ·Wᵀg with W the far-block attention of the kernel
+    1 + cos(q, k), formed here from its definition (surrogate_values' docstring)."""
+    from experiments.long_context.grid_diagnostics import far_keys, global_branches
+    from experiments.long_context.surrogate_values import surrogate_values
+
+    from polysketch.nn.core import AttentionCore
+
+    settings = ProbeSettings(n_layer=1, n_embd=32, n_head=2, chunk_size=8, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    attn = global_branches(model)[0][1].attn
+    t, (dq, _, dv), mu = 40, attn._split, 0.5
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, 1, t, d, generator=gen, dtype=torch.float64)
+                  for d in (dq, dq, dv, dv))  # fmt: skip
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        term = attn._gradient_surrogate(*leaves, None)
+        (term * g).sum().backward()
+        return term.detach(), [x.grad for x in leaves]
+
+    base, (gq0, gk0, gv0) = run()
+    original = AttentionCore._gradient_surrogate
+    with surrogate_values(mu):
+        term, (gq, gk, gv) = run()
+    assert AttentionCore._gradient_surrogate is original
+    assert torch.count_nonzero(base) == torch.count_nonzero(term) == 0
+    assert gv0 is None  # the library's term detaches the values
+    assert torch.equal(gq, gq0) and torch.equal(gk, gk0)
+    unit_q, unit_k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    kernel = (1 + unit_q @ unit_k.transpose(-1, -2)) * far_keys(t, attn.chunk_size)
+    weights = kernel / kernel.sum(-1, keepdim=True).clamp_min(1e-300)
+    expect = mu * weights.transpose(-1, -2) @ g
+    assert torch.allclose(gv, expect, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_schedule_parses_and_fades_the_linear_term():
+    """α(t) = A·scale: the map's score under faded_linear(Scale(s)) is its hash score plus
+    s·A(1 + cos)/2 (fp64, against target_kernel with linear_weight = s·A); the class's method
+    is restored after the block."""
+    from experiments.long_context.linear_schedule import faded_linear, split_linear
+    from experiments.long_context.surrogate_schedule import Scale, SurrogateSchedule
+
+    from polysketch.features.soft_hash import SoftHashFeatureMap
+
+    assert split_linear("soft_hash_far_local") == ("soft_hash_far_local", None)
+    spec, sched = split_linear("soft_hash_far_local@linear=0.001:0:300")
+    assert spec == "soft_hash_far_local:linear_weight=0.001"
+    assert sched == SurrogateSchedule(0.001, 0.0, 300) and sched.scale(150) == 0.5
+    for bad in ("x@linear=1:2", "x:linear_weight=1@linear=1:0:5"):
+        with pytest.raises(ValueError, match="linear"):
+            split_linear(bad)
+    fm = create("soft_hash", 8, num_features=16, linear_weight=0.25, seed=0).double()
+    x, y = (torch.randn(5, 8, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+            for s in (1, 2))  # fmt: skip
+    original = SoftHashFeatureMap.linear_features
+    for s in (1.0, 0.4, 0.0):
+        with faded_linear(Scale(s)):
+            got = fm.query(x) @ fm.key(y).T
+        ref = create("soft_hash", 8, num_features=16, linear_weight=0.25 * s, seed=0).double()
+        expect = ref.target_kernel(x, y)
+        assert torch.allclose(got, expect, rtol=1e-12, atol=1e-15)
+    assert SoftHashFeatureMap.linear_features is original
+
+
+def test_grid_combines_remedy_tags(tmp_path, capsys):
+    """SPEC@surrogate=...@linear=... runs; an unknown tag is refused naming it, before any
+    cell runs."""
+    out = tmp_path / "grid"
+    base = "soft_hash_far_local:num_features=64"
+    argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
+            "--schedules", "constant", "--attentions", "softmax",
+            f"{base}@surrogate=100:10:2@linear=0.001:0:4"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    rows = _rows(out / "grid.csv")
+    assert rows[-1]["attention"].endswith("@linear=0.001:0:4")
+    for bad in (f"{base}@nope=1", f"{base}@values=1@values=2"):
+        bad_out = tmp_path / "bad"
+        assert long_context.main([*argv[:4], str(bad_out), "--attentions", "softmax", bad]) == 2
+        assert "unknown or repeated tag" in capsys.readouterr().err
+        assert not bad_out.exists()

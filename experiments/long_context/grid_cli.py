@@ -14,6 +14,11 @@ Writes ``grid.csv`` (one row per cell), ``grid_curve.csv`` (every evaluation),
 are appended as they are measured; ``--reuse`` continues a stopped grid or extends it with
 new distances, schedules, batch sizes, seeds or attentions (the cells already in
 ``grid.csv`` are skipped, a half-trained cell resumes from its checkpoint).
+
+A candidate may carry training-only remedies of issue 44 item 2 as tags,
+``SPEC@surrogate=A:B:T`` (a decaying surrogate weight, ``surrogate_schedule``),
+``SPEC@linear=A:B:T`` (a fading linear term, ``linear_schedule``) and ``SPEC@values=MU`` (a
+surrogate that trains the values, ``surrogate_values``), combined as ``SPEC@tag@tag``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from .cli import add_common, guarded, header, out_dir
 from .grid import CELL_KEY, SCHEDULES, copied, onset, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
 from .grid_report import markdown, plot_grid
+from .linear_schedule import faded_linear, split_linear
 from .probe_training import ProbeSettings, model_config, run_label, train_model
 from .repeat_cli import probe_data
 from .repeat_probe import split_losses, token_losses
 from .report import ResultCSV
 from .surrogate_schedule import Scale, scaled_surrogate, split_schedule
+from .surrogate_values import split_values, surrogate_values
 
 __all__ = ["register", "COLUMNS", "CURVE_COLUMNS", "SMOKE"]
 
@@ -99,6 +106,8 @@ def _options(args) -> dict:
     for d in opts["distances"]:
         if d < 2:
             raise ValueError(f"--distances must be >= 2, got {d}")
+    for attention in args.attentions:
+        remedies(attention)
     return opts
 
 
@@ -179,12 +188,40 @@ def _same_cell(row, cell) -> bool:
     return all(str(row[k]) == str(cell[k]) for k in CELL_KEY)
 
 
+_TAGS = {"values": split_values, "surrogate": split_schedule, "linear": split_linear}
+"""The grid's training-only remedies, spelled ``SPEC@name=...`` (each its module)."""
+
+
+def remedies(attention: str) -> tuple:
+    """``SPEC@tag@tag...`` -> (the spec to build, μ of ``@values``, the ``@surrogate``
+    schedule, the ``@linear`` schedule), None where a tag is absent; each tag's parser sees
+    the spec built so far. ValueError naming an unknown tag."""
+    spec, *tags = attention.split("@")
+    found = {}
+    for tag in tags:
+        name = tag.partition("=")[0]
+        if name not in _TAGS or name in found:
+            raise ValueError(
+                f"attention {attention!r}: unknown or repeated tag @{name} "
+                f"(one of {', '.join('@' + t for t in _TAGS)}, once each)"
+            )
+        spec, found[name] = _TAGS[name](f"{spec}@{tag}")
+    return (spec, *(found.get(name) for name in ("values", "surrogate", "linear")))
+
+
 def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     """Train and probe one cell (module docstring); returns its ``grid.csv`` row."""
     train_data, factual, _ = data
-    spec, schedule = split_schedule(cell["attention"])
+    spec, mu, schedule, fade = remedies(cell["attention"])
     is_ref = cell["attention"] == REFERENCE
-    scale = Scale()
+    scale, linear_scale = Scale(), Scale()
+
+    def set_weights(step: int) -> None:  # λ and α of the steps after ``step``
+        if schedule is not None:
+            scale.value = schedule.scale(step)
+        if fade is not None:
+            linear_scale.value = fade.scale(step)
+
     ref_onset = None
     if not is_ref:
         ref = {**cell, "attention": REFERENCE}
@@ -214,20 +251,22 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         else:
             point = next(p for p in tables.curve.rows if _same_cell(p, cell)
                          and int(p["step"]) == step)  # fmt: skip
-        if schedule is not None:  # λ of the steps after this one
-            scale.value = schedule.scale(step)
+        set_weights(step)
         if stops(point):
             state["stop"] = step
             return True
         return False
 
     init = TransformerLM(mcfg)
-    with scaled_surrogate(scale) if schedule else contextlib.nullcontext():
+    with (
+        scaled_surrogate(scale) if schedule else contextlib.nullcontext(),
+        surrogate_values(mu) if mu is not None else contextlib.nullcontext(),
+        faded_linear(linear_scale) if fade else contextlib.nullcontext(),
+    ):
         record(init, 0)
         done = sorted((p for p in tables.curve.rows if _same_cell(p, cell)),
                       key=lambda p: int(p["step"]))  # fmt: skip
-        if schedule is not None:  # a resumed run continues from its last evaluation
-            scale.value = schedule.scale(int(done[-1]["step"]))
+        set_weights(int(done[-1]["step"]))  # a resumed run continues from its last one
         stopped_before = next((p for p in done if stops(p)), None)
         run_dir = Path(runs) / run_label(cell["attention"], f"d{cell['distance']}",
                                          cell["schedule"], f"b{cell['batch_size']}",
