@@ -26,32 +26,15 @@ import contextlib
 
 from polysketch.features.soft_hash import SoftHashFeatureMap
 
-from .surrogate_schedule import Scale, SurrogateSchedule
+from .surrogate_schedule import Scale, SurrogateSchedule, split_decay
 
 __all__ = ["split_linear", "faded_linear"]
-
-_TAG = "@linear="
 
 
 def split_linear(attention: str) -> tuple[str, SurrogateSchedule | None]:
     """``"SPEC@linear=A:B:T"`` -> (SPEC with linear_weight=A, the schedule); any other spec
-    -> (spec, None). ValueError naming the attention if it does not parse or SPEC already
-    sets linear_weight."""
-    if _TAG not in attention:
-        return attention, None
-    spec, _, text = attention.partition(_TAG)
-    try:
-        a, b, t = text.split(":")
-        schedule = SurrogateSchedule(float(a), float(b), int(t))
-    except ValueError as err:
-        raise ValueError(
-            f"attention {attention!r}: expected SPEC{_TAG}START:END:STEPS, e.g. "
-            f"soft_hash_far_local{_TAG}0.001:0:300 ({err})"
-        ) from None
-    if "linear_weight=" in spec:
-        raise ValueError(f"attention {attention!r}: the schedule sets linear_weight")
-    joiner = "," if ":" in spec else ":"
-    return f"{spec}{joiner}linear_weight={schedule.start}", schedule
+    -> (spec, None) (``split_decay``)."""
+    return split_decay(attention, "linear", "linear_weight", "0.001:0:300")
 
 
 @contextlib.contextmanager

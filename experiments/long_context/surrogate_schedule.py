@@ -25,9 +25,7 @@ from dataclasses import dataclass
 
 from polysketch.nn.core import AttentionCore
 
-__all__ = ["SurrogateSchedule", "split_schedule", "scaled_surrogate", "Scale"]
-
-_TAG = "@surrogate="
+__all__ = ["SurrogateSchedule", "split_decay", "split_schedule", "scaled_surrogate", "Scale"]
 
 
 @dataclass(frozen=True)
@@ -52,25 +50,32 @@ class SurrogateSchedule:
         return self.weight(step) / self.start
 
 
-def split_schedule(attention: str) -> tuple[str, SurrogateSchedule | None]:
-    """``"SPEC@surrogate=A:B:T"`` -> (SPEC with gradient_surrogate=A, the schedule);
-    any other spec -> (spec, None). ValueError naming the attention if it does not parse or
-    SPEC already sets gradient_surrogate."""
-    if _TAG not in attention:
+def split_decay(attention: str, tag: str, field: str, example: str):
+    """``"SPEC@TAG=A:B:T"`` -> (SPEC with ``field``=A, the ``SurrogateSchedule`` (A, B, T));
+    an attention without ``@TAG=`` -> (attention, None). ValueError naming the attention if
+    it does not parse or SPEC already sets ``field``. ``example``: A:B:T for the message."""
+    marker = f"@{tag}="
+    if marker not in attention:
         return attention, None
-    spec, _, text = attention.partition(_TAG)
+    spec, _, text = attention.partition(marker)
     try:
         a, b, t = text.split(":")
         schedule = SurrogateSchedule(float(a), float(b), int(t))
     except ValueError as err:
         raise ValueError(
-            f"attention {attention!r}: expected SPEC{_TAG}START:END:STEPS, e.g. "
-            f"soft_hash_far_local{_TAG}200:50:300 ({err})"
+            f"attention {attention!r}: expected SPEC{marker}START:END:STEPS, e.g. "
+            f"soft_hash_far_local{marker}{example} ({err})"
         ) from None
-    if "gradient_surrogate=" in spec:
-        raise ValueError(f"attention {attention!r}: the schedule sets gradient_surrogate")
+    if f"{field}=" in spec:
+        raise ValueError(f"attention {attention!r}: the schedule sets {field}")
     joiner = "," if ":" in spec else ":"
-    return f"{spec}{joiner}gradient_surrogate={schedule.start}", schedule
+    return f"{spec}{joiner}{field}={schedule.start}", schedule
+
+
+def split_schedule(attention: str) -> tuple[str, SurrogateSchedule | None]:
+    """``"SPEC@surrogate=A:B:T"`` -> (SPEC with gradient_surrogate=A, the schedule);
+    any other spec -> (spec, None) (``split_decay``)."""
+    return split_decay(attention, "surrogate", "gradient_surrogate", "200:50:300")
 
 
 @dataclass
