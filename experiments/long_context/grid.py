@@ -25,8 +25,10 @@ only ``--steps``: ``TrainConfig``'s lr, min_lr and warmup_steps, cosine decay ov
 ``"constant"`` is the copy probe's of ``docs/results/long_context/`` (lr 1e-3, constant after
 50 warm-up steps).
 
-**Early stop** (``copied``): a run may stop at the first evaluation where g ≥ f · ln 26
-(default f = 0.95; softmax's gains level off at 0.98–1.0 · ln 26) and, for a candidate,
+**Early stop** (``copied``): a run may stop at the first evaluation where g ≥ f · ln 26 and
+ℓ₂ ≤ (1 − f) · ln 26 (default f = 0.95; softmax's gains level off at 0.98–1.0 · ln 26; the
+second condition keeps a run whose first occurrences got worse, g inflated by ℓ₁ > ln 26,
+from counting as copied) and, for a candidate,
 the step is ≥ 1.5 t₀ˢ (so g(1.5 t₀ˢ) is measured). Its value "at the budget" is then the one at
 that step, flagged in the table; a run that never copies trains to the budget.
 """
@@ -92,13 +94,14 @@ def value_at(curve: Sequence[dict], step: float, column: str) -> tuple[int, floa
     return int(before[-1]["step"]), float(before[-1][column])
 
 
-def copied(gain: float, step: int, *, fraction: float, reference_onset: int | None,
-           is_reference: bool) -> bool:  # fmt: skip
-    """Whether a run may stop at this evaluation (module docstring): g ≥ fraction · ln 26 and,
-    unless it is the reference (softmax) itself, step ≥ 1.5 t₀ˢ with t₀ˢ known."""
+def copied(gain: float, second: float, step: int, *, fraction: float,
+           reference_onset: int | None, is_reference: bool) -> bool:  # fmt: skip
+    """Whether a run may stop at this evaluation (module docstring): g ≥ fraction · ln 26,
+    the recurrence loss ``second`` ℓ₂ ≤ (1 − fraction) · ln 26 and, unless it is the reference
+    (softmax) itself, step ≥ 1.5 t₀ˢ with t₀ˢ known."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    if gain < fraction * LN26:
+    if gain < fraction * LN26 or second > (1 - fraction) * LN26:
         return False
     if is_reference:
         return True

@@ -79,7 +79,8 @@ def register(subparsers) -> None:
                    help="global-branch diagnostics every N steps (0: never)")  # fmt: skip
     p.add_argument("--diagnose-windows", type=int, default=2)
     p.add_argument("--stop-fraction", type=float, default=0.95,
-                   help="stop a run once its gain is >= this × ln 26 (past 1.5× softmax's "
+                   help="stop a run once its gain is >= this × ln 26 and its recurrence loss "
+                   "<= (1 - this) × ln 26 (past 1.5× softmax's "
                    "onset for the others); 1 stops almost never")  # fmt: skip
     g = p.add_argument_group("model (ProbeSettings)")
     g.add_argument("--n-layer", type=int, default=2)
@@ -233,7 +234,8 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
 
     def stops(point) -> bool:
         return int(point["step"]) > 0 and copied(
-            float(point["gain"]), int(point["step"]), fraction=args.stop_fraction,
+            float(point["gain"]), float(point["second"]), int(point["step"]),
+            fraction=args.stop_fraction,
             reference_onset=ref_onset, is_reference=is_ref)  # fmt: skip
 
     def record(model, step) -> bool:
@@ -309,6 +311,7 @@ def _settings_text(opts, args, settings) -> str:
         f"Schedules: `cli` = `polysketch train`'s defaults (lr {cli['lr']}, warmup "
         f"{cli['warmup_steps']}, cosine to {cli['min_lr']} over the budget); `constant` = lr "
         f"{const['lr']} after {const['warmup_steps']} warm-up steps. Early stop at gain ≥ "
-        f"{args.stop_fraction} × ln 26 (others: also past 1.5× softmax's onset). CPU time: "
+        f"{args.stop_fraction} × ln 26 with recurrence loss ≤ {1 - args.stop_fraction:.2f} × "
+        "ln 26 (others: also past 1.5× softmax's onset). CPU time: "
         "process time of training, probing and diagnostics (one thread)."
     )
