@@ -81,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--stop-fraction", type=float, default=0.95,
                    help="stop a run once its gain is >= this × ln 26 and its recurrence loss "
                    "<= (1 - this) × ln 26 (past 1.5× softmax's "
-                   "onset for the others); 1 stops almost never")  # fmt: skip
+                   "onset for the others); 1: never")  # fmt: skip
     g = p.add_argument_group("model (ProbeSettings)")
     g.add_argument("--n-layer", type=int, default=2)
     g.add_argument("--n-embd", type=int, default=128)
