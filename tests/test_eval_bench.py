@@ -188,6 +188,51 @@ def test_quick_model_bench_reports_tokens_per_second(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_model_bench_rounds_interleave_the_attentions(tmp_path, capsys, monkeypatch):
+    """--rounds N times every attention of a length once per round, in turn (not one after the
+    other), and reports the median of the rounds and the per-round ratios to softmax."""
+    from polysketch.eval.bench import model as model_bench
+
+    order, real = [], model_bench.time_call
+
+    def recording(fn, **kw):
+        order.append(fn.args[0].config.attention)  # fn = partial(_step, model, ...)
+        return real(fn, **kw)
+
+    monkeypatch.setattr(model_bench, "time_call", recording)
+    argv = ["bench", "--model", "--quick", "--lengths", "32,48", "--rounds", "3", "--attentions",
+            "softmax,psf_random", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "3 interleaved rounds" in capsys.readouterr().out
+    assert order == ["softmax", "psf_random"] * 6  # per length: 3 rounds of both, in turn
+    with (tmp_path / "model_results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["attention"], r["T"]) for r in rows] == [
+        ("softmax", "32"),
+        ("psf_random", "32"),
+        ("softmax", "48"),
+        ("psf_random", "48"),
+    ]
+    for t in ("32", "48"):
+        soft, lin = ([float(x) for x in r["round_ms"].split(";")] for r in rows if r["T"] == t)
+        assert len(soft) == len(lin) == 3
+        row = next(r for r in rows if r["T"] == t and r["attention"] == "psf_random")
+        # round_ms carries 6 significant digits: ratios of them agree to ~1e-5
+        want = sorted(s / x for s, x in zip(soft, lin, strict=True))[1]
+        assert float(row["x_softmax"]) == pytest.approx(want, rel=2e-5)
+        assert float(row["step_ms"]) == pytest.approx(sorted(lin)[1], rel=2e-5)
+    assert all(float(r["x_softmax"]) == 1.0 for r in rows if r["attention"] == "softmax")
+    for bad, message in ((["--rounds", "0"], "rounds must be"),
+                         (["--rounds", "2", "--overwrite"], None)):  # fmt: skip
+        if message is None:  # --rounds without --model
+            argv_bad = ["bench", "--quick", "--out", str(tmp_path), *bad]
+            message = "rounds is taken with --model only"
+        else:
+            argv_bad = [*argv[:-1], "--overwrite", *bad]
+        assert cli.main(argv_bad) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_time_call_times_blocks_after_a_warm_up():
     calls = []
 

@@ -84,6 +84,13 @@ def add_arguments(parser) -> None:
         "one: soft_hash_far_local's 64, which its window needs)",
     )  # fmt: skip
     parser.add_argument("--min-time", type=float, default=None, help="seconds per measurement")
+    parser.add_argument(
+        "--rounds", type=int, default=None,
+        help="with --model: time the attentions in N interleaved rounds (every model of a "
+        "length held at once, each timed min-time/N seconds per round), so that a drifting "
+        "machine's speed hits them alike; x softmax is the median of per-round ratios "
+        "(default 1: one after the other)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -148,6 +155,8 @@ def run_from_args(args) -> int:
             if not (args.model or args.decode):
                 raise ValueError("attentions is taken with --model or --decode only")
             parse_attentions(args.attentions)
+        if args.rounds is not None and not args.model:
+            raise ValueError("rounds is taken with --model only")
         if args.model:
             check_model_attentions(config)
     except (ValueError, TypeError) as err:
@@ -231,6 +240,8 @@ def _model_config(args) -> ModelBenchConfig:
         config.min_time, config.min_repeats = 0.0, 1
     if args.min_time is not None:
         config.min_time = args.min_time
+    if args.rounds is not None:
+        config.rounds = check_positive_int(args.rounds, "rounds")
     return config
 
 

@@ -7,12 +7,23 @@ the warm-up step includes compilation, reported separately as ``first_step_s``),
 tokens/s = B·T / step time, the ratio to softmax at the same T, and the peak memory of a step
 on CUDA. Models: the paper's 12 layers × 768 (12 heads, D = 64) on CUDA, a small 4 × 256
 (4 heads, D = 64) on CPU; ``softmax`` runs torch SDPA (FlashAttention on CUDA under bf16).
+
+**Interleaved rounds** (``rounds = R > 1``): on a machine whose speed drifts (other jobs on a
+shared CPU, a GPU's clocks), attentions timed one after the other see different machines, and
+their ratio carries the drift. With R rounds every attention's model of one length is built
+first (all held at once: the memory is their sum) and then timed in turn, R times over, each
+time for ``min_time / R`` seconds: the attentions of one round run within seconds of each
+other. Reported: the median over rounds of each round's step time (``step_ms``), every round's
+time (``round_ms``, ";"-separated, so any ratio can be formed round by round), and ``x_softmax``
+as the median over rounds of the per-round ratio.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -40,7 +51,7 @@ __all__ = [
 
 MODEL_FIELDS = (
     "attention", "T", "status", "step_ms", "tokens_per_s", "x_softmax", "mem_mib",
-    "first_step_s", "repeats", "chunk_size",
+    "first_step_s", "repeats", "chunk_size", "round_ms",
 )  # fmt: skip
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -71,6 +82,7 @@ class ModelBenchConfig:
     threads: int | None = None
     min_time: float = 2.0
     min_repeats: int = 2
+    rounds: int = 1  # > 1: interleaved rounds (module docstring)
     seed: int = 0
     progress: bool = True
 
@@ -99,6 +111,7 @@ class ModelBenchConfig:
                 raise ValueError("compile_mode needs compile (a torch.compile backend)")
             check_choice(out.compile_mode, "compile_mode", COMPILE_MODES)
         check_positive_int(out.batch, "batch")
+        check_positive_int(out.rounds, "rounds")
         if out.chunk_size is not None:
             check_positive_int(out.chunk_size, "chunk_size")
         return out
@@ -143,10 +156,72 @@ def _step(model, optimizer, idx, amp: str | None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_model_benchmark(config: ModelBenchConfig) -> dict:
-    """Measure every (attention, T) of ``config``; returns ``{"rows", "config"}``."""
-    import time
+class _Timed:
+    """One (attention, T) of the benchmark: its model, optimizer and step, and its row."""
 
+    def __init__(self, cfg: ModelBenchConfig, attention: str, t: int, device: torch.device):
+        self.row = dict.fromkeys(MODEL_FIELDS, "")
+        self.row.update(attention=attention, T=t, chunk_size=cfg.chunk_for(attention))
+        self.seconds: list[float] = []  # one step time per round
+        self.calls = 0
+        self.device = device
+        model = TransformerLM(_model_config(cfg, attention, t)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runner = model
+        if cfg.compile is not None:
+            runner = torch.compile(model, backend=cfg.compile, mode=cfg.compile_mode)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        idx = torch.randint(0, 256, (cfg.batch, t + 1), generator=gen).to(device)
+        self.step = partial(_step, runner, optimizer, idx, cfg.amp)
+        try:
+            t0 = time.perf_counter()
+            self.step()  # warm-up (and compilation)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.row["first_step_s"] = time.perf_counter() - t0
+            mem = peak_memory(self.step, device)
+        except torch.OutOfMemoryError:
+            self.fail()
+        else:
+            self.row["mem_mib"] = "" if mem is None else mem / 2**20
+
+    def fail(self) -> None:
+        """Out of memory: the row says so, and the model is freed."""
+        self.row["status"] = "out of memory"
+        self.step = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def time_round(self, min_time: float, min_repeats: int) -> None:
+        if self.step is None:
+            return
+        try:
+            sec, reps, _ = time_call(self.step, min_time=min_time, min_repeats=min_repeats)
+        except torch.OutOfMemoryError:
+            self.fail()
+        else:
+            self.seconds.append(sec)
+            self.calls += reps
+
+    def finish(self, batch: int) -> dict:
+        """The row, the model freed."""
+        if self.step is not None:
+            sec = statistics.median(self.seconds)
+            self.row.update(
+                status="ok", step_ms=sec * 1e3, tokens_per_s=batch * self.row["T"] / sec,
+                repeats=self.calls, round_ms=";".join(f"{s * 1e3:.6g}" for s in self.seconds),
+            )  # fmt: skip
+        self.step = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.row
+
+
+def run_model_benchmark(config: ModelBenchConfig) -> dict:
+    """Measure every (attention, T) of ``config``; returns ``{"rows", "config"}``.
+
+    One round: each attention's model is built, timed and freed in turn. R > 1 rounds: the
+    models of one length are built first and timed in turn R times (module docstring)."""
     from tqdm.auto import tqdm
 
     cfg = config.resolved()
@@ -155,46 +230,37 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     threads = torch.get_num_threads()  # what the rows were measured with (restored after)
     rows: list[dict] = []
+    ratios: dict[tuple[str, int], list[float]] = {}  # per-round x softmax (rounds > 1)
     bar = tqdm(
-        total=len(cfg.attentions) * len(cfg.contexts), desc="bench --model",
+        total=len(cfg.attentions) * len(cfg.contexts) * cfg.rounds, desc="bench --model",
         disable=not cfg.progress, file=sys.stderr,
     )  # fmt: skip
+    min_time = cfg.min_time / cfg.rounds
     try:
-        for attention in cfg.attentions:
+        for attention in cfg.attentions if cfg.rounds == 1 else ():
             for t in cfg.contexts:
                 bar.set_postfix_str(f"{attention} T={t}")
-                row = dict.fromkeys(MODEL_FIELDS, "")
-                row.update(attention=attention, T=t, chunk_size=cfg.chunk_for(attention))
-                model = TransformerLM(_model_config(cfg, attention, t)).to(device)
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                runner = model
-                if cfg.compile is not None:
-                    runner = torch.compile(model, backend=cfg.compile, mode=cfg.compile_mode)
-                gen = torch.Generator().manual_seed(cfg.seed)
-                idx = torch.randint(0, 256, (cfg.batch, t + 1), generator=gen).to(device)
-                step = partial(_step, runner, optimizer, idx, cfg.amp)
-                try:
-                    t0 = time.perf_counter()
-                    step()  # warm-up (and compilation)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    row["first_step_s"] = time.perf_counter() - t0
-                    mem = peak_memory(step, device)
-                    sec, reps, _ = time_call(
-                        step, min_time=cfg.min_time, min_repeats=cfg.min_repeats
-                    )
-                except torch.OutOfMemoryError:
-                    row["status"] = "out of memory"
-                else:
-                    row.update(
-                        status="ok", step_ms=sec * 1e3, tokens_per_s=cfg.batch * t / sec,
-                        repeats=reps, mem_mib="" if mem is None else mem / 2**20,
-                    )  # fmt: skip
-                rows.append(row)
-                del model, optimizer, runner
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                timed = _Timed(cfg, attention, t, device)
+                timed.time_round(min_time, cfg.min_repeats)
+                rows.append(timed.finish(cfg.batch))
                 bar.update()
+        for t in cfg.contexts if cfg.rounds > 1 else ():
+            group = []
+            for attention in cfg.attentions:
+                bar.set_postfix_str(f"build {attention} T={t}")
+                group.append(_Timed(cfg, attention, t, device))
+            for r in range(cfg.rounds):
+                for timed in group:
+                    bar.set_postfix_str(f"round {r + 1} {timed.row['attention']} T={t}")
+                    timed.time_round(min_time, cfg.min_repeats)
+                    bar.update()
+                soft = [x for x in group if x.row["attention"] == "softmax" and x.step]
+                for timed in group:
+                    if soft and timed.step is not None:
+                        key = (timed.row["attention"], t)
+                        ratios.setdefault(key, []).append(soft[0].seconds[-1] / timed.seconds[-1])
+            rows.extend(timed.finish(cfg.batch) for timed in group)
+            del group
     finally:
         bar.close()
         torch.set_num_threads(previous)
@@ -205,7 +271,11 @@ def run_model_benchmark(config: ModelBenchConfig) -> dict:
     }
     for r in rows:
         if r["status"] == "ok" and r["T"] in soft:
-            r["x_softmax"] = r["tokens_per_s"] / soft[r["T"]]
+            per_round = ratios.get((r["attention"], r["T"]))
+            if per_round and len(per_round) == cfg.rounds:
+                r["x_softmax"] = statistics.median(per_round)
+            else:
+                r["x_softmax"] = r["tokens_per_s"] / soft[r["T"]]
     return {"rows": rows, "config": cfg, "threads": threads}
 
 
@@ -234,7 +304,12 @@ def format_model_report(result: dict) -> str:
         f"TransformerLM training steps on {cfg.device} "
         f"({result.get('threads', torch.get_num_threads())} threads): "
         f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {_chunks(cfg)}, "
-        f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}",
+        f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}"
+        + (
+            f", {cfg.rounds} interleaved rounds (x softmax: median of per-round ratios)"
+            if cfg.rounds > 1
+            else ""
+        ),
         "",
         f"{'attention':<{width}} {'T':>6} {'step ms':>10} {'tokens/s':>10} {'x softmax':>9} "
         f"{'MiB':>8} {'1st step s':>10} status",
