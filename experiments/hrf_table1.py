@@ -35,11 +35,11 @@ from polysketch.commands._common import add_overwrite_argument, prepare_out_dir
 from polysketch.commands.approx import check_maps
 from polysketch.eval.fidelity.approx import SOFTMAX_MAPS, default_maps, format_row
 from polysketch.eval.fidelity.softmax import (
-    _build,
-    _check_rows,
-    _fits_clusters,
-    _map_names,
-    _trial_estimates,
+    build_softmax_estimator,
+    check_rows,
+    fits_clusters,
+    softmax_map_names,
+    trial_estimates,
 )
 from polysketch.eval.plots import log_axes, pyplot, save_png
 from polysketch.features import FeatureMap
@@ -121,8 +121,8 @@ def _matched_map(name, dim, budget, match, lambda_features, seed, data) -> Featu
     """The map with the largest num_features whose size (F or FLOPs) fits the budget."""
 
     def build(m):
-        feature_map = _build(name, dim, m, lambda_features, seed)
-        if _fits_clusters(feature_map):
+        feature_map = build_softmax_estimator(name, dim, m, lambda_features, seed)
+        if fits_clusters(feature_map):
             feature_map.fit(data, data)
         return feature_map
 
@@ -131,7 +131,9 @@ def _matched_map(name, dim, budget, match, lambda_features, seed, data) -> Featu
 
     limit = budget
     if match == "flops":  # the FLOPs of positive random features with F = budget
-        limit = feature_flops(_build("positive", dim, max(budget // 2, 1), 1, seed))
+        limit = feature_flops(
+            build_softmax_estimator("positive", dim, max(budget // 2, 1), 1, seed)
+        )
     lo, best = 1, build(1)
     if cost(best) > limit:
         return best  # even m = 1 is over budget: the smallest map
@@ -173,7 +175,7 @@ def dataset_mse(
     Returns one row per map: {"map", "dataset", "match", "budget", "num_features",
     "feature_dim", "flops", "mse", "mse_std"}.
     """
-    names = _map_names(maps)
+    names = softmax_map_names(maps)
     budget = check_int(budget, "budget", minimum=2)
     match = check_choice(match, "match", ("features", "flops"))
     pairs = check_positive_int(pairs, "pairs")
@@ -191,7 +193,7 @@ def dataset_mse(
     rows = []
     for name in tqdm(names, desc=f"{dataset} MSE", disable=not progress):
         feature_map = _matched_map(name, dim, budget, match, lambda_features, seed, data)
-        est = _trial_estimates(feature_map, x, y, trials, make_generator(seed + 1))
+        est = trial_estimates(feature_map, x, y, trials, make_generator(seed + 1))
         per_trial = (est - exact).square().mean(-1)
         rows.append(
             {
@@ -211,7 +213,7 @@ def dataset_mse(
 
 def plot_dataset_mse(rows, path):
     """MSE per map (bars with ± std over trials), one group per data set, log-scale y."""
-    rows = _check_rows(rows, ("map", "dataset", "mse", "mse_std"))
+    rows = check_rows(rows, ("map", "dataset", "mse", "mse_std"))
     fig, ax = pyplot().subplots(figsize=(6, 4))
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     names = list(dict.fromkeys(r["map"] for r in rows))

@@ -10,8 +10,8 @@ Maps are given by registry name; each is built with ``create(name, D, num_featur
 seed=s)`` (plus ``lambda_features=n`` for maps that take it). Maps with a ``fit(q, k,
 clusters=...)`` method (``hybrid_clustered``) are fitted on the inputs first: per angle with one
 cluster each (so Eq. 21 is minimized at the very pair; the sweep then shows the best case of the
-clustering-based HRF). The private helpers (building a map by name, its estimates over redraws,
-checking rows) are shared with ``experiments.hrf_table1``, the paper's Table 1 on UCI data.
+clustering-based HRF). The helpers below (building a map by name, its estimates over redraws,
+checking rows) are shared with ``experiments/hrf_table1.py``, the paper's Table 1 on UCI data.
 """
 
 from __future__ import annotations
@@ -27,11 +27,21 @@ from ...features import FeatureMap, create, get_class
 from ...random import make_generator, orthogonal_gaussian
 from ..plots import log_axes, pyplot, save_png
 
-__all__ = ["angle_sweep", "plot_angle_sweep"]
+__all__ = [
+    "angle_sweep",
+    "plot_angle_sweep",
+    "softmax_map_names",
+    "build_softmax_estimator",
+    "fits_clusters",
+    "trial_estimates",
+    "check_rows",
+]
 
 
 # ----- building maps ---------------------------------------------------------------------------
-def _map_names(maps) -> list[str]:
+def softmax_map_names(maps) -> list[str]:
+    """``maps`` (one registry name or several) as a list, each name checked (ValueError or
+    TypeError naming ``maps``)."""
     names = [maps] if isinstance(maps, str) else list(maps)
     if not names:
         raise ValueError("maps must name at least one feature map")
@@ -43,7 +53,11 @@ def _map_names(maps) -> list[str]:
     return names
 
 
-def _build(name: str, dim: int, num_features: int, lambda_features: int, seed: int) -> FeatureMap:
+def build_softmax_estimator(
+    name: str, dim: int, num_features: int, lambda_features: int, seed: int
+) -> FeatureMap:
+    """The map ``name`` in float64 (``lambda_features`` where it takes them), refused unless it
+    is an unbiased or exact, non-square estimator of exp(x·y) at its default scale."""
     kwargs = {"num_features": num_features, "seed": seed}
     if get_class(name).takes("lambda_features"):
         kwargs["lambda_features"] = lambda_features
@@ -57,7 +71,8 @@ def _build(name: str, dim: int, num_features: int, lambda_features: int, seed: i
     return feature_map
 
 
-def _fits_clusters(feature_map: FeatureMap) -> bool:
+def fits_clusters(feature_map: FeatureMap) -> bool:
+    """Whether the map is fitted on clustered inputs (``fit(q, k, clusters=...)``)."""
     return "clusters" in type(feature_map).fit_keywords
 
 
@@ -66,7 +81,7 @@ def _estimates(feature_map: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> tor
     return (feature_map.query(x) * feature_map.key(y)).sum(-1)
 
 
-def _trial_estimates(feature_map, x, y, trials: int, generator) -> torch.Tensor:
+def trial_estimates(feature_map, x, y, trials: int, generator) -> torch.Tensor:
     """Estimates over ``trials`` redraws from ``generator``: (trials, P)."""
     out = []
     for _ in range(trials):
@@ -97,7 +112,7 @@ def angle_sweep(
     Returns one row per (map, θ): {"map", "theta", "radius", "num_features", "feature_dim",
     "mse", "rel_err"}.
     """
-    names = _map_names(maps)
+    names = softmax_map_names(maps)
     dim = check_int(dim, "dim", minimum=2)
     radius = check_float(radius, "radius", minimum=0.0, strict_minimum=True)
     num_angles = check_int(num_angles, "num_angles", minimum=2)
@@ -116,15 +131,15 @@ def angle_sweep(
     rows = []
     bar = tqdm(total=len(names) * trials, desc="angle sweep", disable=not progress)
     for name in names:
-        feature_map = _build(name, dim, num_features, lambda_features, seed)
+        feature_map = build_softmax_estimator(name, dim, num_features, lambda_features, seed)
         generator = make_generator(seed + 1)
-        if _fits_clusters(feature_map):  # one cluster pair per angle, fitted at the pair
+        if fits_clusters(feature_map):  # one cluster pair per angle, fitted at the pair
             per_angle, feature_dim = [], None
             for a in range(num_angles):
                 feature_map.fit(x[a : a + 1], y[a : a + 1], clusters=1)
                 feature_dim = feature_map.feature_dim
                 per_angle.append(
-                    _trial_estimates(feature_map, x[a : a + 1], y[a : a + 1], trials, generator)
+                    trial_estimates(feature_map, x[a : a + 1], y[a : a + 1], trials, generator)
                 )
             est = torch.cat(per_angle, dim=1)
             bar.update(trials)
@@ -154,7 +169,8 @@ def angle_sweep(
 
 
 # ----- plots -----------------------------------------------------------------------------------
-def _check_rows(rows, keys: Sequence[str]) -> list[dict]:
+def check_rows(rows, keys: Sequence[str]) -> list[dict]:
+    """``rows`` as a list, refused when empty or when a row lacks one of ``keys``."""
     rows = list(rows)
     if not rows:
         raise ValueError("rows must not be empty")
@@ -170,7 +186,7 @@ def plot_angle_sweep(rows, path):
 
     ``rows`` as returned by ``angle_sweep``; returns the ``pathlib.Path`` written.
     """
-    rows = _check_rows(rows, ("map", "theta", "radius", "rel_err"))
+    rows = check_rows(rows, ("map", "theta", "radius", "rel_err"))
     fig, ax = pyplot().subplots(figsize=(6, 4))
     series = {}
     for row in rows:
