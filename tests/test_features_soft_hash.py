@@ -168,6 +168,9 @@ def test_seeded_draw_is_reproducible_and_q_k_start_equal():
         ({"learn_temperature": "yes"}, TypeError, "learn_temperature"),
         ({"linear_weight": -0.1}, ValueError, "linear_weight"),
         ({"linear_weight": float("nan")}, ValueError, "linear_weight"),
+        ({"linear_weight": 0.1, "linear_offset": 0.5}, ValueError, "linear_offset"),
+        ({"linear_weight": 0.1, "linear_offset": "2"}, TypeError, "linear_offset"),
+        ({"linear_offset": 2.0}, ValueError, "linear_offset needs linear_weight"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, exc, match):
@@ -175,7 +178,9 @@ def test_bad_arguments_name_themselves(kwargs, exc, match):
         features.create("soft_hash", D, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"linear_weight": 0.3}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"linear_weight": 0.3}, {"linear_weight": 0.3, "linear_offset": 3.0}]
+)
 def test_linear_attention_with_the_map_equals_the_naive_reference(kwargs):
     fm = _randomized(3, **kwargs)
     g = torch.Generator().manual_seed(4)
@@ -294,6 +299,39 @@ def test_linear_weight_appends_sqrt_half_alpha_one_and_unit_x(factors, f, scale)
     assert torch.allclose(fm.target_kernel(x, y), expected, rtol=1e-12)
     assert torch.allclose(fm.approx_kernel(x, y), expected, rtol=1e-12)
     assert (fm.target_kernel(x, -x) >= 0).all()  # cos = -1 still scores >= 0
+
+
+@pytest.mark.parametrize("factors,f,scale,offset", [(1, 6, 1.0, 3.0), (2, 9, 1.5, 1.5)])
+def test_linear_offset_keeps_a_floor_under_every_key(factors, f, scale, offset):
+    """Eq. 6: the linear features are √(α/(1 + c))(√c, x/‖x‖), s = s_hash + α(c + cos)/(1 + c),
+    at least α(c − 1)/(1 + c) at cos = −1 (Eq. 5's vanishes there), at most α at cos = 1."""
+    alpha = 0.4
+    kw = dict(num_features=f, factors=factors, output_scale=scale, linear_weight=alpha)
+    plain = _randomized(6, num_features=f, factors=factors, output_scale=scale)
+    fm = _randomized(6, **kw, linear_offset=offset)
+    eq5 = _randomized(6, **kw)
+    assert fm.feature_dim == f + D + 1 and "linear_offset=" in repr(fm)
+    assert "linear_offset" not in repr(eq5)  # c = 1 is Eq. 5, shown as before
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, D, generator=g, dtype=torch.float64) * 2
+    y = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
+    for feats, base in ((fm.query(x), plain.query(x)), (fm.key(x), plain.key(x))):
+        assert torch.equal(feats[:, :f], base)
+        c = scale * math.sqrt(alpha / (1 + offset))
+        assert torch.allclose(feats[:, f], torch.full((5,), c * math.sqrt(offset), dtype=x.dtype))
+        assert torch.allclose(feats[:, f + 1 :], c * x / x.norm(dim=-1, keepdim=True))
+    cos = (x @ y.T) / (x.norm(dim=-1)[:, None] * y.norm(dim=-1)[None])
+    expected = plain.target_kernel(x, y) + scale**2 * alpha * (offset + cos) / (1 + offset)
+    assert torch.allclose(fm.target_kernel(x, y), expected, rtol=1e-12)
+    assert torch.allclose(fm.approx_kernel(x, y), expected, rtol=1e-12)
+    # anti-parallel: Eq. 5's linear score is 0 (to rounding), Eq. 6's its floor
+    lin = fm.target_kernel(x, -x).diagonal() - plain.target_kernel(x, -x).diagonal()
+    floor = scale**2 * alpha * (offset - 1) / (1 + offset)
+    assert torch.allclose(lin, torch.full_like(lin, floor), rtol=1e-12)
+    lin5 = eq5.target_kernel(x, -x).diagonal() - plain.target_kernel(x, -x).diagonal()
+    assert lin5.abs().max() < 1e-12
+    same = fm.target_kernel(x, x).diagonal() - plain.target_kernel(x, x).diagonal()
+    assert torch.allclose(same, torch.full_like(same, scale**2 * alpha), rtol=1e-12)
 
 
 def test_linear_weight_pulls_a_query_towards_a_key_no_bucket_shares():

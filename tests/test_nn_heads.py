@@ -159,6 +159,7 @@ BATCHED = [
     ("soft_hash", {"num_features": 9, "factors": 2, "unit_directions": True}),
     ("soft_hash", {"num_features": 6, "temperature_rate": 10.0, "temperature": 3.0}),
     ("soft_hash", {"num_features": 9, "factors": 2, "linear_weight": 0.2, "output_scale": 2.0}),
+    ("soft_hash", {"num_features": 7, "linear_weight": 0.2, "linear_offset": 2.5}),
     (
         "soft_hash",
         {

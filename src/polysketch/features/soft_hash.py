@@ -76,6 +76,17 @@ against the hash's 1/F on average, so α = 0.1/F gives the linear term about 5 %
 unrelated key's score. Off by default; what it costs and gains in retrieval is measured in
 ``docs/results/long_context/soft_hash_local/``.
 
+**A floor under the linear term** (``linear_offset = c ≥ 1``, default 1): the D + 1 features
+become √(α/(1 + c)) · (√c, x/‖x‖), and the score
+
+    s(q, k) = s_hash(q, k) + α (c + cos(q, k)) / (1 + c)  ≥  α (c − 1) / (1 + c),        (6)
+
+equal to (5) at c = 1, with the same largest linear score α (at cos = 1). With c = 1 the
+linear term vanishes where q is anti-parallel to k, so training can still drive a key's weight
+to 0 by turning the query away from it (measured in the copy probe's grid at d = 1024,
+``docs/results/long_context/grid/``); with c > 1 every key keeps a weight of at least
+α (c − 1)/(1 + c) divided by the normalizer.
+
 The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
@@ -139,6 +150,9 @@ class SoftHashFeatureMap(FeatureMap):
         shared: one W for queries and keys (a symmetric kernel); default separate W_q, W_k.
         linear_weight: α ≥ 0; α > 0 appends the D + 1 features √(α/2)·(1, x/‖x‖) (Eq. 5), so
             the score gains α(1 + cos(q, k))/2 and F grows to F + D + 1.
+        linear_offset: c ≥ 1 (with linear_weight > 0): the linear features are
+            √(α/(1 + c))·(√c, x/‖x‖) and the score gains α(c + cos(q, k))/(1 + c) ≥
+            α(c − 1)/(1 + c) (Eq. 6); c = 1 (default) is Eq. 5.
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
             Normalized linear attention does not depend on it; in mixed attention
             (``mixed=True``) it weighs the far blocks against the exact local ones, and with
@@ -159,6 +173,7 @@ class SoftHashFeatureMap(FeatureMap):
         "unit_directions": Hyperparameter(False, "rescale each bucket direction to norm √D"),
         "temperature_rate": Hyperparameter(1.0, "r > 0: τ = exp(r·θ), θ the stored parameter"),
         "linear_weight": Hyperparameter(0.0, "α >= 0: the score gains α(1 + cos(q, k))/2"),
+        "linear_offset": Hyperparameter(1.0, "c >= 1: the linear score is α(c + cos)/(1 + c)"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -176,6 +191,7 @@ class SoftHashFeatureMap(FeatureMap):
         unit_directions: bool = False,
         temperature_rate: float = 1.0,
         linear_weight: float = 0.0,
+        linear_offset: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -205,6 +221,9 @@ class SoftHashFeatureMap(FeatureMap):
             temperature_rate, "temperature_rate", minimum=0.0, strict_minimum=True
         )
         self.linear_weight = check_float(linear_weight, "linear_weight", minimum=0.0)
+        self.linear_offset = check_float(linear_offset, "linear_offset", minimum=1.0)
+        if self.linear_offset != 1 and not self.linear_weight:
+            raise ValueError("linear_offset needs linear_weight > 0 (it shapes the linear term)")
         log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
         if learn_temperature:
             self.log_temperature = nn.Parameter(log_t)
@@ -236,10 +255,11 @@ class SoftHashFeatureMap(FeatureMap):
         return phi if self.output_scale == 1.0 else phi * self.output_scale
 
     def linear_features(self, x: torch.Tensor) -> torch.Tensor:
-        """√(α/2) · (1, x/‖x‖) (Eq. 5): (..., D) -> (..., D + 1)."""
+        """√(α/(1 + c))·(√c, x/‖x‖), c = ``linear_offset`` (Eqs. 5–6): (..., D) -> (..., D + 1)."""
+        c = self.linear_offset
         unit = torch.nn.functional.normalize(x, dim=-1)
-        one = torch.ones_like(unit[..., :1])
-        return torch.cat([one, unit], dim=-1) * math.sqrt(self.linear_weight / 2)
+        one = torch.full_like(unit[..., :1], math.sqrt(c))
+        return torch.cat([one, unit], dim=-1) * math.sqrt(self.linear_weight / (1 + c))
 
     def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         phi = product_softmax(self._logits(x, key), self.factors)
@@ -254,8 +274,9 @@ class SoftHashFeatureMap(FeatureMap):
         return self._features(x, True)
 
     def target_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """c² (Π_i Σ_f P_i(x → f) P_i(y → f) + α(1 + cos(x, y))/2) (Eqs. 2, 4 and 5 ×
-        output_scale²), the product in log space: (..., Tx, D), (..., Ty, D) -> (..., Tx, Ty)."""
+        """c² (Π_i Σ_f P_i(x → f) P_i(y → f) + α(c' + cos(x, y))/(1 + c')) (Eqs. 2, 4 and 5–6
+        × output_scale², c' = ``linear_offset``), the product in log space: (..., Tx, D),
+        (..., Ty, D) -> (..., Tx, Ty)."""
         x = check_tensor(x, "x", min_dim=2, last_dim=self.dim)
         y = check_tensor(y, "y", min_dim=2, last_dim=self.dim)
         lq = self._logits(x, False).unflatten(-1, (self.factors, self.buckets))
@@ -267,7 +288,8 @@ class SoftHashFeatureMap(FeatureMap):
         if self.linear_weight:
             xu = torch.nn.functional.normalize(x, dim=-1)
             yu = torch.nn.functional.normalize(y, dim=-1)
-            s = s + self.linear_weight * (1 + xu @ yu.transpose(-1, -2)) / 2
+            c = self.linear_offset
+            s = s + self.linear_weight * (c + xu @ yu.transpose(-1, -2)) / (1 + c)
         return s * self.output_scale**2
 
     def extra_repr(self) -> str:
@@ -281,4 +303,5 @@ class SoftHashFeatureMap(FeatureMap):
                 else ""
             )
             + (f", linear_weight={self.linear_weight:g}" if self.linear_weight else "")
+            + (f", linear_offset={self.linear_offset:g}" if self.linear_offset != 1 else "")
         )

@@ -13,8 +13,8 @@ the map's own code:
 * ``hedgehog``: [softmax(x W_h + b_h), softmax(−(x W_h + b_h))] · output_scale;
 * ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale (or the product of ``factors``
   softmaxes, ``features.soft_hash.product_softmax``), W_h's columns rescaled to norm √D with
-  ``unit_directions``, and the linear features √(α/2)(1, x/‖x‖) appended with
-  ``linear_weight``.
+  ``unit_directions``, and the linear features √(α/(1 + c))(√c, x/‖x‖) appended with
+  ``linear_weight`` (c = ``linear_offset``).
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
 as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
@@ -128,7 +128,7 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     else:  # scale W first: D × F products, not T × F
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
-    if template.linear_weight:  # Eq. 5's √(α/2)(1, x/‖x‖), the same for every head
+    if template.linear_weight:  # Eqs. 5–6's √(α/(1 + c))(√c, x/‖x‖), the same for every head
         phi = torch.cat([phi, template.linear_features(x).to(phi.dtype)], dim=-1)
     return phi if template.output_scale == 1.0 else phi * template.output_scale
 
