@@ -82,10 +82,10 @@ become √(α/(1 + c)) · (√c, x/‖x‖), and the score
     s(q, k) = s_hash(q, k) + α (c + cos(q, k)) / (1 + c)  ≥  α (c − 1) / (1 + c),        (6)
 
 equal to (5) at c = 1, with the same largest linear score α (at cos = 1). With c = 1 the
-linear term vanishes where q is anti-parallel to k, so training can still drive a key's weight
-to 0 by turning the query away from it (measured in the copy probe's grid at d = 1024,
-``docs/results/long_context/grid/``); with c > 1 every key keeps a weight of at least
-α (c − 1)/(1 + c) divided by the normalizer.
+linear term vanishes where q is anti-parallel to k, so it puts no floor under a key the query
+has turned away from; with c > 1 every key keeps a score of at least α (c − 1)/(1 + c). Off
+(c = 1) by default; what it changes in the copy probe is in
+``docs/results/long_context/grid/``.
 
 The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
 ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
