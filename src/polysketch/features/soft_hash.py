@@ -87,8 +87,8 @@ has turned away from; with c > 1 every key keeps a score of at least α (c − 1
 (c = 1) by default; what it changes in the copy probe is in
 ``docs/results/long_context/grid/``.
 
-The target kernel is the map's own (2) or (4) (plus (5)'s linear term), computed in log space as
-``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
+The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
+log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
 start from the same draw), ``log_temperature`` (a scalar θ = log τ / r, a buffer when
 ``learn_temperature=False``); stored float32, cast to the input's compute dtype at use.
