@@ -15,7 +15,12 @@ from experiments.long_context.grid import (
     schedule_options,
     value_at,
 )
-from experiments.long_context.grid_diagnostics import diagnose, far_keys, source_weights
+from experiments.long_context.grid_diagnostics import (
+    diagnose,
+    far_keys,
+    source_cosines,
+    source_weights,
+)
 from experiments.long_context.probe_training import ProbeSettings, model_config
 
 from polysketch.data.repeat import RepeatConfig, make_repeat
@@ -106,6 +111,12 @@ def test_far_keys_and_source_weights_match_the_maps_kernel():
         assert w[n] == pytest.approx(float(expect), rel=1e-10)
         assert lift[n] == pytest.approx(float(expect) * len(far) / 2, rel=1e-10)
         assert nxt[n] == pytest.approx(float(s[i, i + 1 - d] / s[i, far].sum()), rel=1e-10)
+    c_src, c_far = source_cosines(q, k, queries, d, 4)
+    cos = torch.nn.functional.cosine_similarity(q[:, None], k[None], dim=-1)  # (40, 40)
+    for n, i in enumerate(queries.tolist()):
+        far = [j for j in range(40) if j < (i // 4) * 4]
+        assert c_src[n] == pytest.approx(float(cos[i, i - d] + cos[i, i + 1 - d]) / 2, rel=1e-12)
+        assert c_far[n] == pytest.approx(float(cos[i, far].mean()), rel=1e-12)
 
 
 def _tiny_preset(gradient_surrogate):
@@ -137,6 +148,17 @@ def test_diagnose_reads_the_global_branch_and_the_surrogates_share():
     assert last10["surrogate_cos"] == pytest.approx(last5["surrogate_cos"], abs=1e-9)
     first5, first10 = rows[5.0][0], rows[10.0][0]
     assert first10["surrogate_ratio"] != pytest.approx(2 * first5["surrogate_ratio"], rel=1e-6)
+    for r in rows[5.0]:  # no linear term: every feature is a bucket
+        assert r["source_weight_all"] == pytest.approx(r["source_weight"], rel=1e-12)
+        assert -1.0 <= r["source_cos"] <= 1.0 and -1.0 <= r["far_cos"] <= 1.0
+    # with the linear term (Eq. 6 at c = 3), every key's score gains α(c + cos)/(1 + c): the
+    # weight the branch attends with is no longer the buckets' alone
+    settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
+    spec = "soft_hash_far_local:num_features=64,linear_weight=0.5,linear_offset=3.0"
+    linear = diagnose(TransformerLM(model_config(spec, settings)).double(), windows, 32)
+    for r in linear:
+        assert r["source_weight_all"] != pytest.approx(r["source_weight"], rel=1e-3)
+        assert 0.0 < r["source_weight_all"] < 1.0
     softmax = TransformerLM(model_config("softmax", ProbeSettings(n_layer=1, n_embd=32,
                                                                   context=64)))  # fmt: skip
     assert diagnose(softmax, windows, 32) == []

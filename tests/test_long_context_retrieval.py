@@ -1,5 +1,6 @@
 """Kernel-level retrieval (experiments/long_context): weights on the matching key."""
 
+import csv
 import math
 
 import pytest
@@ -204,3 +205,22 @@ def test_result_csv_resumes_and_refuses_to_overwrite(tmp_path):
         ResultCSV(path, ("a", "b"), ("a",), settings={"x": 1}, reuse=True)
     fresh = ResultCSV(path, ("a", "b", "w"), ("a", "b"), settings={"x": 2}, overwrite=True)
     assert fresh.rows == [] and not fresh.has({"a": "m", "b": 64})
+
+
+def test_result_csv_reused_with_columns_added_at_the_end(tmp_path):
+    path = tmp_path / "t.csv"
+    ResultCSV(path, ("a", "w"), ("a",), settings={"x": 1}).add({"a": "m", "w": 0.5})
+    before = path.read_text()
+    for columns in (("a", "v", "w"), ("w", "a", "v"), ("a",)):  # inserted, reordered, fewer
+        with pytest.raises(ValueError, match="columns"):
+            ResultCSV(path, columns, ("a",), settings={"x": 1}, reuse=True)
+    with pytest.raises(ValueError, match="settings"):  # refused before anything is rewritten
+        ResultCSV(path, ("a", "w", "v"), ("a",), settings={"x": 2}, reuse=True)
+    assert path.read_text() == before
+    grown = ResultCSV(path, ("a", "w", "v"), ("a",), settings={"x": 1}, reuse=True)
+    assert grown.rows == [{"a": "m", "w": 0.5, "v": ""}] and grown.has({"a": "m"})
+    grown.add({"a": "n", "w": 1.5, "v": 2})
+    with open(path, newline="") as f:
+        assert list(csv.reader(f)) == [["a", "w", "v"], ["m", "0.5", ""], ["n", "1.5", "2"]]
+    again = ResultCSV(path, ("a", "w", "v"), ("a",), settings={"x": 1}, reuse=True)
+    assert again.rows == grown.rows

@@ -20,6 +20,12 @@ branch's queries and keys as its core receives them (after the q/k LayerNorm and
   kernel's (1 = no retrieval); ``next_weight`` the part on j = i + 1 − d alone, the key whose
   own token is the one to predict (i − d holds the current token again: a match of content
   finds it, and only a later layer can turn it into the next token);
+* ``source_weight_all``: ``source_weight`` with every feature of the map in s_ij, the weight
+  the branch attends with (φ includes the linear term of ``linear_weight`` > 0, Eqs. 5–6 of
+  ``features/soft_hash.py``; equal to ``source_weight`` without one);
+* ``source_cos``, ``far_cos``: the mean of cos(q_i, k_j) over the two sources j, and over
+  every far key j of i (the baseline): whether the query turns towards or away from the
+  source's key in the direction the linear term and the buckets' logits read;
 * ``surrogate_ratio``, ``surrogate_cos``: with G the gradient of the training loss with
   respect to the q and k rows of the global branch's projection, G_map the same with the
   surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
@@ -44,11 +50,14 @@ import torch
 
 from polysketch.features.soft_hash import SoftHashFeatureMap
 
-__all__ = ["DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_weights"]
+__all__ = [
+    "DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_weights", "source_cosines",
+]  # fmt: skip
 
 DIAG_COLUMNS = (
     "layer", "tau", "q_buckets", "k_buckets", "k_usage", "source_weight", "source_lift",
     "next_weight", "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
+    "source_weight_all", "source_cos", "far_cos",
 )  # fmt: skip
 
 
@@ -96,6 +105,21 @@ def source_weights(phi_q, phi_k, queries, distance: int, chunk: int | None):
     nxt = s[rows, queries + 1 - distance] / total
     w = s[rows, queries - distance] / total + nxt
     return w, w * mask.sum(-1) / 2, nxt
+
+
+def source_cosines(q, k, queries, distance: int, chunk: int | None):
+    """(c_src, c_far) per query: the mean of cos(q_i, k_j) over j ∈ {i − d, i + 1 − d} and
+    over the keys j far from i (``far_keys``). q, k (T, D) of one window and head; ``queries``
+    (Q,) positions with both sources among their far keys."""
+    cos = (
+        torch.nn.functional.normalize(q[queries], dim=-1)
+        @ torch.nn.functional.normalize(k, dim=-1).T
+    )  # (Q, T)
+    mask = far_keys(k.shape[0], chunk)[queries]
+    rows = torch.arange(len(queries))
+    src = (cos[rows, queries - distance] + cos[rows, queries + 1 - distance]) / 2
+    far = cos.masked_fill(~mask, 0.0).sum(-1) / mask.sum(-1)
+    return src, far
 
 
 @contextlib.contextmanager
@@ -205,15 +229,15 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
         heads = _soft_hash_heads(fm)
         q, k = stores[layer]["q"], stores[layer]["k"]  # (B, H, T, D)
         with torch.no_grad():
-            phi_q, phi_k = fm.query(q), fm.key(k)
+            all_q, all_k = fm.query(q), fm.key(k)
         f = heads[0].num_features
-        phi_q, phi_k = phi_q[..., :f], phi_k[..., :f]  # the buckets (no linear term)
+        phi_q, phi_k = all_q[..., :f], all_k[..., :f]  # the buckets (no linear term)
         far = far_keys(windows.inputs.shape[1], chunk[layer])
         src = positions - distance
         qs = positions[far[positions, src] & far[positions, src + 1]]
         if len(qs) == 0:
             raise ValueError(f"no recurrence has its source among layer {layer}'s far keys")
-        ws, lifts, nexts = [], [], []
+        ws, lifts, nexts, alls, srcs, fars = [], [], [], [], [], []
         for b in range(phi_q.shape[0]):
             for h in range(phi_q.shape[1]):
                 w, lift, nxt = source_weights(phi_q[b, h], phi_k[b, h], qs, distance,
@@ -221,6 +245,11 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
                 ws.append(w)
                 lifts.append(lift)
                 nexts.append(nxt)
+                alls.append(source_weights(all_q[b, h], all_k[b, h], qs, distance,
+                                           chunk[layer])[0])  # fmt: skip
+                c_src, c_far = source_cosines(q[b, h], k[b, h], qs, distance, chunk[layer])
+                srcs.append(c_src)
+                fars.append(c_far)
         mask = windows.second_mask
         g, wdw = outs[layer]["global"][:, mask], outs[layer]["window"][:, mask]
         ratio, cos = shares[layer]
@@ -237,6 +266,9 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
             "surrogate_cos": cos,
             "global_rms": float(g.pow(2).mean().sqrt()),
             "window_rms": float(wdw.pow(2).mean().sqrt()),
+            "source_weight_all": float(torch.cat(alls).mean()),
+            "source_cos": float(torch.cat(srcs).mean()),
+            "far_cos": float(torch.cat(fars).mean()),
         })  # fmt: skip
     return rows
 

@@ -113,10 +113,17 @@ def _next(r) -> str:
     return "" if r.get("next_weight", "") == "" else f" ({float(r['next_weight']):.2g})"
 
 
+def _cosines(r) -> str:
+    if r.get("source_cos", "") == "":  # a row written before the column existed
+        return "-"
+    return f"{float(r['source_cos']):.2f} / {float(r['far_cos']):.2f}"
+
+
 def _diag_table(rows, diag) -> str:
     head = ("d", "schedule", "B", "seed", "attention", "onset", "step", "layer", "τ",
             "q buckets", "k buckets", "k usage", "source weight (next)", "source lift",
-            "surrogate ‖G_sur‖/‖G_map‖ (cos)", "global / window rms")  # fmt: skip
+            "surrogate ‖G_sur‖/‖G_map‖ (cos)", "global / window rms",
+            "weight, every feature", "cos(q, k): source / far")  # fmt: skip
     body = []
     for s in rows:
         mine = [r for r in diag if all(str(r[k]) == str(s[k]) for k in CELL_KEY)]
@@ -133,6 +140,8 @@ def _diag_table(rows, diag) -> str:
                     _num(r["source_lift"], ".2f"),
                     _num(r["surrogate_ratio"], ".2f") + cos,
                     f"{float(r['global_rms']):.3g} / {float(r['window_rms']):.3g}",
+                    _num(r.get("source_weight_all", ""), ".2g"),
+                    _cosines(r),
                 ))  # fmt: skip
     return markdown_table(head, body) + "\n" if body else "(no diagnostics yet)\n"
 

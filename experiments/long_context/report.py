@@ -10,8 +10,10 @@ Every table of ``benchmarks/long_context.py`` is one folder (``--out``) holding
 
 ``ResultCSV(..., reuse=True)`` continues a table across sessions: rows whose key columns are
 already in the CSV are skipped, and the stored settings must equal this run's (otherwise the
-rows would mix two experiments). Without ``reuse`` an existing CSV is never overwritten unless
-``overwrite=True`` is passed.
+rows would mix two experiments). A reused CSV whose columns are the first of this run's (the
+table has gained columns at its end since) is rewritten with the new header, its rows empty in
+the new columns; any other difference in columns is refused. Without ``reuse`` an existing CSV
+is never overwritten unless ``overwrite=True`` is passed.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class ResultCSV:
         columns: every column, in order; rows may omit some (written empty).
         key: the columns that identify a unit of work (``has``).
         settings: JSON-able settings the rows depend on, stored beside the CSV.
-        reuse: continue an existing CSV (its header and settings must match).
+        reuse: continue an existing CSV (its settings must match, and its header match or be
+            the start of ``columns``: then the file gains the new columns, empty in its rows).
         overwrite: start over even if the CSV exists.
 
     Raises ValueError naming ``--reuse`` / ``--overwrite`` when the CSV exists and neither is
@@ -112,12 +115,14 @@ class ResultCSV:
     def _load(self, settings: dict) -> None:
         with open(self.path, newline="") as f:
             reader = csv.DictReader(f)
-            if list(reader.fieldnames or []) != self.columns:
+            stored_columns = list(reader.fieldnames or [])
+            if stored_columns != self.columns[: len(stored_columns)] or not stored_columns:
                 raise ValueError(
                     f"--reuse: {self.path} has columns {reader.fieldnames}, this run writes "
                     f"{self.columns}; use another --out or --overwrite"
                 )
-            self.rows = [{k: parse_value(v) for k, v in row.items()} for row in reader]
+            rows = list(reader)
+        self.rows = [{k: parse_value(row.get(k) or "") for k in self.columns} for row in rows]
         stored = (
             json.loads(self.settings_path.read_text()) if self.settings_path.is_file() else None
         )
@@ -131,6 +136,13 @@ class ResultCSV:
                 f"--reuse: {self.path} was measured with other settings (differing: {diff}); "
                 "use the same options, another --out, or --overwrite"
             )
+        if len(stored_columns) < len(self.columns):  # new columns at the end: empty in old rows
+            tmp = self.path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, self.columns)
+                writer.writeheader()
+                writer.writerows({k: row.get(k) or "" for k in self.columns} for row in rows)
+            tmp.replace(self.path)
 
     def _key_of(self, row: dict) -> tuple:
         return tuple(str(parse_value(str(row[k]))) for k in self.key)
