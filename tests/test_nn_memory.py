@@ -93,3 +93,42 @@ def test_recomputation_is_the_default_where_features_are_kept_and_off_elsewhere(
         model = TransformerLM(TransformerConfig(attention="psf_random", vocab_size=16,
                                                 n_layer=1, n_head=2, n_embd=16))  # fmt: skip
         assert not model.blocks[0].attn.recomputes()
+
+
+def test_the_models_recompute_switch_reaches_every_core_and_changes_no_result():
+    """``TransformerConfig.recompute`` (default True: each core's default, the linear, mixed
+    and window forms recompute); False: no core recomputes. fp64, one step's loss and every
+    gradient equal; a non-bool is refused naming the field."""
+    kw = dict(attention="soft_hash_far_local", vocab_size=32, block_size=64, n_layer=2, n_head=2,
+              n_embd=32, chunk_size=8, map_kwargs={"num_features": 24})  # fmt: skip
+    idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for recompute in (True, False):
+        model = TransformerLM(TransformerConfig(recompute=recompute, **kw)).double()
+        cores = [c for block in model.blocks for c in block.cores()]
+        assert len(cores) == 4  # the soft-hash attention and the window branch of each layer
+        assert all(c.recomputes() == recompute for c in cores)
+        logits, loss = model(idx, idx)
+        results[recompute] = (logits, torch.autograd.grad(loss, list(model.parameters())))
+    (a, ga), (b, gb) = results[True], results[False]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-15)
+    softmax = TransformerLM(TransformerConfig(attention="softmax", n_layer=1))
+    assert not softmax.blocks[0].attn.recomputes()  # SDPA keeps O(T): never recomputed
+    with pytest.raises(TypeError, match="recompute"):
+        TransformerConfig(recompute="no").validate()
+
+
+def test_a_spec_and_the_train_command_turn_recomputation_off():
+    from polysketch.nn.resolve import config_options
+
+    opts = config_options("soft_hash_far_local:recompute=False,num_features=24")
+    assert opts["recompute"] is False and opts["map_kwargs"] == {"num_features": 24}
+    import argparse
+
+    from polysketch.commands import train as train_cmd
+
+    parser = train_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args(["--no-recompute"]).recompute is False
+    assert not hasattr(parser.parse_args([]), "recompute")  # not given: the config's default

@@ -324,7 +324,7 @@ def _needs_window(field_name: str) -> str:
 MODEL_KEYS = (
     "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
     "learn_balance", "window", "local_window", "local_shared", "global_heads", "global_every",
-    "global_rope", "gradient_surrogate",
+    "global_rope", "gradient_surrogate", "recompute",
 )  # fmt: skip
 """Keys of a text spec that configure the model (``TransformerConfig``) rather than the map."""
 

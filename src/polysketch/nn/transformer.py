@@ -107,6 +107,12 @@ class TransformerConfig:
         None, help="RoPE on the q/k of the attention beside the window branch (default: the "
         "model preset's, else as the model)",
     )  # fmt: skip
+    recompute: bool = documented(
+        True, help="the linear, mixed and window attentions recompute their features and "
+        "scores in the backward pass instead of keeping them (memory ≈ softmax's; about one "
+        "more attention forward per training step); off: kept, faster where memory allows. "
+        "Values and gradients are the same either way",
+    )  # fmt: skip
 
     def resolve(self) -> ModelSpec:
         """Validate the config (``validate``) and resolve its attention, once, into a
@@ -139,7 +145,7 @@ class TransformerConfig:
         for name in ("window", "local_window", "global_heads", "global_every"):
             if getattr(self, name) is not None:
                 check_positive_int(getattr(self, name), name)
-        for name in ("rope", "tie_embeddings", "mixed", "learn_balance"):
+        for name in ("rope", "tie_embeddings", "mixed", "learn_balance", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         for name in ("qk_norm", "global_rope", "local_shared"):
@@ -206,8 +212,11 @@ class Block(nn.Module):
 
     def __init__(self, config: TransformerConfig, spec: ModelSpec, layer_index: int):
         super().__init__()
+        # recompute: each core's own default (AttentionCore.checkpoint None: the linear, mixed
+        # and window forms), or no core recomputes
         layer = dict(causal=True, chunk_size=config.chunk_size, seed=config.seed,
-                     layer_index=layer_index)  # fmt: skip
+                     layer_index=layer_index,
+                     checkpoint=None if config.recompute else False)  # fmt: skip
         hybrid = spec.hybrid
         # the order of the submodules is the order of the parameters, which the optimizer
         # state of a checkpoint follows: ln_1, attn, local_attn, ln_2, ffn
