@@ -111,12 +111,13 @@ def test_far_keys_and_source_weights_match_the_maps_kernel():
         assert w[n] == pytest.approx(float(expect), rel=1e-10)
         assert lift[n] == pytest.approx(float(expect) * len(far) / 2, rel=1e-10)
         assert nxt[n] == pytest.approx(float(s[i, i + 1 - d] / s[i, far].sum()), rel=1e-10)
-    c_src, c_far = source_cosines(q, k, queries, d, 4)
+    c_src, c_far, c_next = source_cosines(q, k, queries, d, 4)
     cos = torch.nn.functional.cosine_similarity(q[:, None], k[None], dim=-1)  # (40, 40)
     for n, i in enumerate(queries.tolist()):
         far = [j for j in range(40) if j < (i // 4) * 4]
         assert c_src[n] == pytest.approx(float(cos[i, i - d] + cos[i, i + 1 - d]) / 2, rel=1e-12)
         assert c_far[n] == pytest.approx(float(cos[i, far].mean()), rel=1e-12)
+        assert c_next[n] == pytest.approx(float(cos[i, i + 1 - d]), rel=1e-12)
 
 
 def _tiny_preset(gradient_surrogate):
@@ -150,7 +151,7 @@ def test_diagnose_reads_the_global_branch_and_the_surrogates_share():
     assert first10["surrogate_ratio"] != pytest.approx(2 * first5["surrogate_ratio"], rel=1e-6)
     for r in rows[5.0]:  # no linear term: every feature is a bucket
         assert r["source_weight_all"] == pytest.approx(r["source_weight"], rel=1e-12)
-        assert -1.0 <= r["source_cos"] <= 1.0 and -1.0 <= r["far_cos"] <= 1.0
+        assert all(-1.0 <= r[c] <= 1.0 for c in ("source_cos", "far_cos", "next_cos"))
     # with the linear term (Eq. 6 at c = 3), every key's score gains α(c + cos)/(1 + c): the
     # weight the branch attends with is no longer the buckets' alone
     settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)

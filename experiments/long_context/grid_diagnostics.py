@@ -25,7 +25,9 @@ branch's queries and keys as its core receives them (after the q/k LayerNorm and
   ``features/soft_hash.py``; equal to ``source_weight`` without one);
 * ``source_cos``, ``far_cos``: the mean of cos(q_i, k_j) over the two sources j, and over
   every far key j of i (the baseline): whether the query turns towards or away from the
-  source's key in the direction the linear term and the buckets' logits read;
+  source's key in the direction the linear term and the buckets' logits read; ``next_cos``
+  the same for j = i + 1 − d alone (so cos(q_i, k_{i−d}) = 2·source_cos − next_cos: the key
+  of the query's own token);
 * ``surrogate_ratio``, ``surrogate_cos``: with G the gradient of the training loss with
   respect to the q and k rows of the global branch's projection, G_map the same with the
   surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
@@ -57,7 +59,7 @@ __all__ = [
 DIAG_COLUMNS = (
     "layer", "tau", "q_buckets", "k_buckets", "k_usage", "source_weight", "source_lift",
     "next_weight", "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
-    "source_weight_all", "source_cos", "far_cos",
+    "source_weight_all", "source_cos", "far_cos", "next_cos",
 )  # fmt: skip
 
 
@@ -108,18 +110,19 @@ def source_weights(phi_q, phi_k, queries, distance: int, chunk: int | None):
 
 
 def source_cosines(q, k, queries, distance: int, chunk: int | None):
-    """(c_src, c_far) per query: the mean of cos(q_i, k_j) over j ∈ {i − d, i + 1 − d} and
-    over the keys j far from i (``far_keys``). q, k (T, D) of one window and head; ``queries``
-    (Q,) positions with both sources among their far keys."""
+    """(c_src, c_far, c_next) per query: the mean of cos(q_i, k_j) over j ∈ {i − d, i + 1 − d}
+    and over the keys j far from i (``far_keys``), and cos(q_i, k_{i+1−d}). q, k (T, D) of one
+    window and head; ``queries`` (Q,) positions with both sources among their far keys."""
     cos = (
         torch.nn.functional.normalize(q[queries], dim=-1)
         @ torch.nn.functional.normalize(k, dim=-1).T
     )  # (Q, T)
     mask = far_keys(k.shape[0], chunk)[queries]
     rows = torch.arange(len(queries))
-    src = (cos[rows, queries - distance] + cos[rows, queries + 1 - distance]) / 2
+    nxt = cos[rows, queries + 1 - distance]
+    src = (cos[rows, queries - distance] + nxt) / 2
     far = cos.masked_fill(~mask, 0.0).sum(-1) / mask.sum(-1)
-    return src, far
+    return src, far, nxt
 
 
 @contextlib.contextmanager
@@ -237,7 +240,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
         qs = positions[far[positions, src] & far[positions, src + 1]]
         if len(qs) == 0:
             raise ValueError(f"no recurrence has its source among layer {layer}'s far keys")
-        ws, lifts, nexts, alls, srcs, fars = [], [], [], [], [], []
+        ws, lifts, nexts, alls, srcs, fars, ncos = [], [], [], [], [], [], []
         for b in range(phi_q.shape[0]):
             for h in range(phi_q.shape[1]):
                 w, lift, nxt = source_weights(phi_q[b, h], phi_k[b, h], qs, distance,
@@ -247,9 +250,11 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
                 nexts.append(nxt)
                 alls.append(source_weights(all_q[b, h], all_k[b, h], qs, distance,
                                            chunk[layer])[0])  # fmt: skip
-                c_src, c_far = source_cosines(q[b, h], k[b, h], qs, distance, chunk[layer])
+                c_src, c_far, c_next = source_cosines(q[b, h], k[b, h], qs, distance,
+                                                      chunk[layer])  # fmt: skip
                 srcs.append(c_src)
                 fars.append(c_far)
+                ncos.append(c_next)
         mask = windows.second_mask
         g, wdw = outs[layer]["global"][:, mask], outs[layer]["window"][:, mask]
         ratio, cos = shares[layer]
@@ -269,6 +274,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
             "source_weight_all": float(torch.cat(alls).mean()),
             "source_cos": float(torch.cat(srcs).mean()),
             "far_cos": float(torch.cat(fars).mean()),
+            "next_cos": float(torch.cat(ncos).mean()),
         })  # fmt: skip
     return rows
 

@@ -114,16 +114,17 @@ def _next(r) -> str:
 
 
 def _cosines(r) -> str:
-    if r.get("source_cos", "") == "":  # a row written before the column existed
+    if r.get("next_cos", "") == "":  # a row written before the columns existed
         return "-"
-    return f"{float(r['source_cos']):.2f} / {float(r['far_cos']):.2f}"
+    own = 2 * float(r["source_cos"]) - float(r["next_cos"])  # cos(q_i, k_{i−d})
+    return f"{own:.2f} / {float(r['next_cos']):.2f} / {float(r['far_cos']):.2f}"
 
 
 def _diag_table(rows, diag) -> str:
     head = ("d", "schedule", "B", "seed", "attention", "onset", "step", "layer", "τ",
             "q buckets", "k buckets", "k usage", "source weight (next)", "source lift",
             "surrogate ‖G_sur‖/‖G_map‖ (cos)", "global / window rms",
-            "weight, every feature", "cos(q, k): source / far")  # fmt: skip
+            "weight, every feature", "cos(q, k): i − d / i + 1 − d / far")  # fmt: skip
     body = []
     for s in rows:
         mine = [r for r in diag if all(str(r[k]) == str(s[k]) for k in CELL_KEY)]
