@@ -175,7 +175,8 @@ def test_grid_smoke_writes_its_tables_and_resumes(tmp_path, capsys):
     argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
             "--attentions", "soft_hash_far_local:num_features=64", "softmax"]  # fmt: skip
     assert long_context.main(argv) == 0
-    for name in ("grid.csv", "grid_curve.csv", "grid_diag.csv", "grid.md", "grid.png"):
+    for name in ("grid.csv", "grid_curve.csv", "grid_diag.csv", "grid.md", "grid.png",
+                 "grid_diag.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0
     cells = _rows(out / "grid.csv")
     # both schedules; softmax first in each (it sets the others' 1.5x onset)

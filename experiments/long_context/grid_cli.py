@@ -10,7 +10,8 @@ occurrences and recurrences, and with the global branch switched off), and, ever
 attentions stop early only past 1.5× its onset (``grid.copied``).
 
 Writes ``grid.csv`` (one row per cell), ``grid_curve.csv`` (every evaluation),
-``grid_diag.csv`` (the diagnostics), ``grid.md`` and ``grid.png`` (``grid_report``). Rows
+``grid_diag.csv`` (the diagnostics), ``grid.md``, ``grid.png`` and ``grid_diag.png``
+(``grid_report``). Rows
 are appended as they are measured; ``--reuse`` continues a stopped grid or extends it with
 new distances, schedules, batch sizes, seeds or attentions (the cells already in
 ``grid.csv`` are skipped, a half-trained cell resumes from its checkpoint).
@@ -34,7 +35,7 @@ from polysketch.nn.ablate import ablate_global, global_parts
 from .cli import add_common, guarded, header, out_dir
 from .grid import CELL_KEY, SCHEDULES, copied, onset, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
-from .grid_report import markdown, plot_grid
+from .grid_report import markdown, plot_diag, plot_grid
 from .linear_schedule import faded_linear, split_linear
 from .probe_training import ProbeSettings, model_config, run_label, train_model
 from .repeat_cli import probe_data
@@ -176,6 +177,7 @@ def _run(args, argv) -> int:
     md += "\n" + markdown(tables.cells.rows, tables.curve.rows, tables.diag.rows)
     (out / "grid.md").write_text(md)
     png = plot_grid(tables.cells.rows, tables.curve.rows, out / "grid.png")
+    plot_diag(tables.diag.rows, out / "grid_diag.png")
     print(f"wrote {tables.cells.path}, {out / 'grid.md'}, {png}")
     return 0
 

@@ -4,7 +4,9 @@
 schedule, batch size and seed (``grid.cell_summary``); ``markdown`` writes the table one
 scans (one line per candidate cell), the pass rate per candidate and setting, and the
 diagnostics at init, just before the onset and at it; ``plot_grid`` draws the candidates'
-onsets against softmax's and the recurrence loss of every run.
+onsets against softmax's and the recurrence loss of every run; ``plot_diag`` the global
+branch's weight on the copy's source and the query's cosine to the source's keys against
+training steps, per layer and run.
 """
 
 from __future__ import annotations
@@ -229,4 +231,58 @@ def plot_grid(cells, curve, path):
         ax.set_title(f"d = {d} (softmax dashed; red cli, blue constant)", fontsize=8)
         ax.set_xlabel("step")
         ax.set_ylabel("recurrence loss (nats/byte)")
+    return save_png(fig, path)
+
+
+def plot_diag(diag, path):
+    """Per layer with a soft-hash global branch, two panels against the step, one line per
+    run (d, schedule, B, seed, attention) of ``grid_diag.csv``: the weight on the copy's two
+    source keys with every feature (``source_weight_all``; the buckets' alone for rows written
+    before that column), log scale; and cos(q_i, k_{i−d}) − the far keys' mean cosine (solid)
+    and cos(q_i, k_{i+1−d}) − the same (dotted), for rows that have the cosines. Returns the
+    path, or None without diagnostics."""
+    if not diag:
+        return None
+    layers = sorted({int(r["layer"]) for r in diag})
+    runs = sorted({tuple(str(r[k]) for k in CELL_KEY) for r in diag})
+    fig, axes = subplots(2 * len(layers), ncols=2)
+    for n, key in enumerate(runs):
+        mine = [r for r in diag if tuple(str(r[k]) for k in CELL_KEY) == key]
+        d, schedule, b, seed, attention = key
+        short = attention.replace("soft_hash_far_local", "preset")
+        label = f"{short} (d {d}, {schedule}, B {b}, s{seed})"
+        color = f"C{n % 10}"
+        for i, layer in enumerate(layers):
+            rows = sorted(
+                (r for r in mine if int(r["layer"]) == layer), key=lambda r: int(r["step"])
+            )
+            steps = [int(r["step"]) for r in rows]
+            weight = [float(r.get("source_weight_all") or r["source_weight"]) for r in rows]
+            axes[2 * i].semilogy(steps, weight, color=color, lw=0.9, label=label)
+            cos = [r for r in rows if r.get("source_cos", "") != ""]
+            if cos:
+                far = [float(r["far_cos"]) for r in cos]
+                x = [int(r["step"]) for r in cos]
+                if all(r.get("next_cos", "") != "" for r in cos):
+                    nxt = [float(r["next_cos"]) for r in cos]
+                    own = [2 * float(r["source_cos"]) - v for r, v in zip(cos, nxt, strict=True)]
+                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(own, far, strict=True)],
+                                         color=color, lw=0.9)  # fmt: skip
+                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(nxt, far, strict=True)],
+                                         ":", color=color, lw=0.9)  # fmt: skip
+                else:  # the two sources' mean only
+                    src = [float(r["source_cos"]) for r in cos]
+                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(src, far, strict=True)],
+                                         "--", color=color, lw=0.9)  # fmt: skip
+    for i, layer in enumerate(layers):
+        axes[2 * i].set_title(f"layer {layer}: weight on the two source keys", fontsize=8)
+        axes[2 * i].set_ylabel("weight (every feature)")
+        axes[2 * i + 1].set_title(f"layer {layer}: cos(q, k_src) − mean cos(q, k_far)", fontsize=8)
+        axes[2 * i + 1].axhline(0.0, color="grey", lw=0.5)
+        for style, what in (("-", "src = i − d"), (":", "src = i + 1 − d"), ("--", "both")):
+            axes[2 * i + 1].plot([], [], style, color="k", lw=0.9, label=what)
+        axes[2 * i + 1].legend(fontsize=6)
+        for ax in axes[2 * i : 2 * i + 2]:
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=5)
     return save_png(fig, path)
