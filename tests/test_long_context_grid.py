@@ -200,6 +200,17 @@ def test_grid_smoke_writes_its_tables_and_resumes(tmp_path, capsys):
     md = (out / "grid.md").read_text()
     assert "long_context.py grid" in md and "Every candidate cell" in md and "τ" in md
     capsys.readouterr()
+    # the report alone, from the CSVs: a seed not yet trained is not trained
+    (out / "grid.md").write_text("stale")
+    (out / "grid_diag.png").unlink()
+    assert long_context.main([*argv[:5], "--seeds", "0", "1", "--attentions", *argv[-2:],
+                              "--reuse", "--report-only"]) == 0  # fmt: skip
+    assert _rows(out / "grid.csv") == cells and _rows(out / "grid_curve.csv") == curve
+    report = (out / "grid.md").read_text()
+    assert "Every candidate cell" in report and "--report-only" not in report
+    assert (out / "grid_diag.png").stat().st_size > 0
+    assert long_context.main([*argv, "--report-only"]) == 2  # without --reuse
+    assert "--report-only" in capsys.readouterr().err
     assert long_context.main([*argv, "--reuse"]) == 0  # nothing new to measure
     assert _rows(out / "grid.csv") == cells and _rows(out / "grid_curve.csv") == curve
     assert long_context.main(argv) == 2  # an existing table is not overwritten

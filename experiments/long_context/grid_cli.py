@@ -83,6 +83,9 @@ def register(subparsers) -> None:
                    help="stop a run once its gain is >= this × ln 26 and its recurrence loss "
                    "<= (1 - this) × ln 26 (past 1.5× softmax's "
                    "onset for the others); 1: never")  # fmt: skip
+    p.add_argument("--report-only", action="store_true",
+                   help="with --reuse: rewrite grid.md, grid.png and grid_diag.png from the "
+                   "CSVs, training nothing (e.g. after cells were stopped by hand)")  # fmt: skip
     g = p.add_argument_group("model (ProbeSettings)")
     g.add_argument("--n-layer", type=int, default=2)
     g.add_argument("--n-embd", type=int, default=128)
@@ -135,6 +138,8 @@ def _run(args, argv) -> int:
     out = out_dir(args)
     if not 0 < args.stop_fraction <= 1:
         raise ValueError(f"--stop-fraction must be in (0, 1], got {args.stop_fraction}")
+    if args.report_only and not args.reuse:
+        raise ValueError("--report-only rewrites the report of an existing grid: add --reuse")
     model = {k: opts[k] for k in ("n_layer", "n_embd", "n_head", "chunk_size")}
     settings = {"model": model, "steps": opts["steps"], "probe_every": opts["probe_every"],
                 "val_windows": opts["val_windows"], "diagnose_every": opts["diagnose_every"],
@@ -155,7 +160,7 @@ def _run(args, argv) -> int:
         for d in opts["distances"] for s in args.schedules for b in opts["batch_sizes"]
         for seed in args.seeds for a in attentions
     ]  # fmt: skip
-    todo = [c for c in cells if not tables.cells.has(c)]
+    todo = [] if args.report_only else [c for c in cells if not tables.cells.has(c)]
     data_key, data = None, None
     for cell in tqdm(todo, desc="grid cells", disable=args.no_progress):
         ps = ProbeSettings(**model, context=2 * cell["distance"], batch_size=cell["batch_size"],
@@ -173,7 +178,8 @@ def _run(args, argv) -> int:
                    f"step {row['last_step']} ({row['stopped']})")  # fmt: skip
     cpu = sum(float(r["cpu_s"]) for r in tables.cells.rows)
     extra = [_settings_text(opts, args, settings)]
-    md = header("Copy-probe robustness grid (issue 44)", argv, cpu_s=cpu, extra=extra)
+    command = [a for a in argv if a != "--report-only"]  # the command that trained the rows
+    md = header("Copy-probe robustness grid (issue 44)", command, cpu_s=cpu, extra=extra)
     md += "\n" + markdown(tables.cells.rows, tables.curve.rows, tables.diag.rows)
     (out / "grid.md").write_text(md)
     png = plot_grid(tables.cells.rows, tables.curve.rows, out / "grid.png")
