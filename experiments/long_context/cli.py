@@ -46,10 +46,10 @@ def out_dir(args) -> Path:
 
 
 def command_line(argv) -> str:
-    """The command that reproduces this table, for the markdown header (``--reuse`` and
-    ``--overwrite`` dropped: they do not change the rows)."""
+    """The command that reproduces this table, for the markdown header (``--reuse``,
+    ``--overwrite`` and the grid's ``--report-only`` dropped: they do not change the rows)."""
     args = [a for a in (sys.argv[1:] if argv is None else argv)
-            if a not in ("--reuse", "--overwrite")]  # fmt: skip
+            if a not in ("--reuse", "--overwrite", "--report-only")]  # fmt: skip
     return "python benchmarks/long_context.py " + shlex.join(args)
 
 

@@ -178,8 +178,7 @@ def _run(args, argv) -> int:
                    f"step {row['last_step']} ({row['stopped']})")  # fmt: skip
     cpu = sum(float(r["cpu_s"]) for r in tables.cells.rows)
     extra = [_settings_text(opts, args, settings)]
-    command = [a for a in argv if a != "--report-only"]  # the command that trained the rows
-    md = header("Copy-probe robustness grid (issue 44)", command, cpu_s=cpu, extra=extra)
+    md = header("Copy-probe robustness grid (issue 44)", argv, cpu_s=cpu, extra=extra)
     md += "\n" + markdown(tables.cells.rows, tables.curve.rows, tables.diag.rows)
     (out / "grid.md").write_text(md)
     png = plot_grid(tables.cells.rows, tables.curve.rows, out / "grid.png")
