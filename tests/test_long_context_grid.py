@@ -389,3 +389,95 @@ def test_grid_combines_remedy_tags(tmp_path, capsys):
         assert long_context.main([*argv[:4], str(bad_out), "--attentions", "softmax", bad]) == 2
         assert "unknown or repeated tag" in capsys.readouterr().err
         assert not bad_out.exists()
+
+
+def test_push_scaled_surrogate_is_the_librarys_at_one_and_pull_only_at_zero():
+    """fp64. s = 1: the library surrogate's q/k gradient (autograd through its mixed op);
+    s = 0: Σ_j min(c_ij, 0)/Σ_l w_il · ∂w_ij/∂q_i written pair by pair (module docstring)."""
+    from experiments.long_context.grid_diagnostics import global_branches
+    from experiments.long_context.surrogate_push import pushed_surrogate_grads, split_push
+
+    settings = ProbeSettings(n_layer=1, n_embd=32, n_head=2, chunk_size=4, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    attn = global_branches(model)[0][1].attn
+    lam = attn.gradient_surrogate
+    t, (dq_dim, _, dv_dim) = 14, attn._split
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, 1, t, d, generator=gen, dtype=torch.float64)
+                  for d in (dq_dim, dq_dim, dv_dim, dv_dim))  # fmt: skip
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    (attn._gradient_surrogate(qq, kk, v, None) * g).sum().backward()
+    dq1, dk1 = pushed_surrogate_grads(q, k, v, lam * g, 4, 1.0)
+    torch.testing.assert_close(dq1, qq.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dk1, kk.grad, rtol=1e-10, atol=1e-12)
+    dq0, dk0 = pushed_surrogate_grads(q, k, v, lam * g, 4, 0.0)
+    eq, ek = torch.zeros_like(q), torch.zeros_like(k)
+    for b in range(2):
+        for i in range(t):
+            far = list(range((i // 4) * 4))
+            if not far:
+                continue
+            w = [1 + torch.nn.functional.cosine_similarity(q[b, 0, i], k[b, 0, j], dim=0)
+                 for j in far]  # fmt: skip
+            den = sum(w)
+            o = sum(wj * v[b, 0, j] for wj, j in zip(w, far, strict=True)) / den
+            for j in far:
+                c = min(float(lam * g[b, 0, i] @ (v[b, 0, j] - o)), 0.0)
+                qi, kj = q[b, 0, i].clone().requires_grad_(), k[b, 0, j].clone().requires_grad_()
+                gq, gk = torch.autograd.grad(torch.nn.functional.cosine_similarity(qi, kj, dim=0),
+                                             (qi, kj))  # fmt: skip
+                eq[b, 0, i] += c / den * gq
+                ek[b, 0, j] += c / den * gk
+    torch.testing.assert_close(dq0, eq, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dk0, ek, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(dq0, dq1)
+    assert split_push("soft_hash_far_local@push=0") == ("soft_hash_far_local", 0.0)
+    for bad in ("x@push=2", "x@push=a"):
+        with pytest.raises(ValueError, match="push"):
+            split_push(bad)
+
+
+def test_push_scaled_surrogate_in_a_model_changes_gradients_only():
+    from experiments.long_context.grid_diagnostics import _qk_grads, global_branches
+    from experiments.long_context.surrogate_push import surrogate_push
+
+    from polysketch.nn.core import AttentionCore
+
+    settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
+    x, y = windows.inputs, windows.targets
+    branches = global_branches(model)
+    original = AttentionCore._gradient_surrogate
+    base = _qk_grads(model, branches, x, y)
+    loss = float(model(x, y)[1].detach())
+    with surrogate_push(1.0):
+        same = _qk_grads(model, branches, x, y)
+    with surrogate_push(0.0):
+        pull = _qk_grads(model, branches, x, y)
+        assert float(model(x, y)[1].detach()) == loss
+    assert AttentionCore._gradient_surrogate is original
+    for layer in base:
+        scale = float(base[layer].abs().max())
+        torch.testing.assert_close(same[layer], base[layer], rtol=1e-9, atol=1e-12 * scale)
+        assert not torch.allclose(pull[layer], base[layer])
+
+
+def test_grid_runs_a_push_scaled_surrogate_with_a_schedule(tmp_path):
+    """@push=1 is the library's surrogate (the same curve as without the tag); @push=0
+    differs; both combine with @surrogate (the schedule wraps the pushed term)."""
+    out = tmp_path / "grid"
+    base = "soft_hash_far_local:num_features=64,gradient_surrogate=100.0"
+    argv = ["grid", "--smoke", "--no-progress", "--out", str(out), "--seeds", "0",
+            "--schedules", "constant", "--attentions", base, f"{base}@push=1",
+            f"{base}@push=0",
+            "soft_hash_far_local:num_features=64@surrogate=100:10:2@push=0"]  # fmt: skip
+    assert long_context.main(argv) == 0
+    curve = {(r["attention"].partition("@")[2], int(r["step"])): r["second"]
+             for r in _rows(out / "grid_curve.csv")}  # fmt: skip
+    # push=1 forms the library's gradient another way (fp32 rounding differs by ~1e-7 of it;
+    # times lr < 1e-4 over 4 steps, far below the loss's own fp32 resolution)
+    assert float(curve[("push=1", 4)]) == pytest.approx(float(curve[("", 4)]), rel=1e-5)
+    assert curve[("push=0", 4)] != curve[("", 4)]
+    assert curve[("surrogate=100:10:2@push=0", 2)] == curve[("push=0", 2)]
+    assert curve[("surrogate=100:10:2@push=0", 4)] != curve[("push=0", 4)]

@@ -18,8 +18,9 @@ new distances, schedules, batch sizes, seeds or attentions (the cells already in
 
 A candidate may carry training-only remedies of issue 44 item 2 as tags,
 ``SPEC@surrogate=A:B:T`` (a decaying surrogate weight, ``surrogate_schedule``),
-``SPEC@linear=A:B:T`` (a fading linear term, ``linear_schedule``) and ``SPEC@values=MU`` (a
-surrogate that trains the values, ``surrogate_values``), combined as ``SPEC@tag@tag``.
+``SPEC@linear=A:B:T`` (a fading linear term, ``linear_schedule``), ``SPEC@values=MU`` (a
+surrogate that trains the values, ``surrogate_values``) and ``SPEC@push=S`` (the surrogate's
+pushes scaled by S, ``surrogate_push``), combined as ``SPEC@tag@tag``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .probe_training import ProbeSettings, model_config, run_label, train_model
 from .repeat_cli import probe_data
 from .repeat_probe import split_losses, token_losses
 from .report import ResultCSV
+from .surrogate_push import split_push, surrogate_push
 from .surrogate_schedule import Scale, scaled_surrogate, split_schedule
 from .surrogate_values import split_values, surrogate_values
 
@@ -196,14 +198,15 @@ def _same_cell(row, cell) -> bool:
     return all(str(row[k]) == str(cell[k]) for k in CELL_KEY)
 
 
-_TAGS = {"values": split_values, "surrogate": split_schedule, "linear": split_linear}
+_TAGS = {"values": split_values, "surrogate": split_schedule, "linear": split_linear,
+         "push": split_push}  # fmt: skip
 """The grid's training-only remedies, spelled ``SPEC@name=...`` (each its module)."""
 
 
 def remedies(attention: str) -> tuple:
     """``SPEC@tag@tag...`` -> (the spec to build, μ of ``@values``, the ``@surrogate``
-    schedule, the ``@linear`` schedule), None where a tag is absent; each tag's parser sees
-    the spec built so far. ValueError naming an unknown tag."""
+    schedule, the ``@linear`` schedule, s of ``@push``), None where a tag is absent; each
+    tag's parser sees the spec built so far. ValueError naming an unknown tag."""
     spec, *tags = attention.split("@")
     found = {}
     for tag in tags:
@@ -214,13 +217,13 @@ def remedies(attention: str) -> tuple:
                 f"(one of {', '.join('@' + t for t in _TAGS)}, once each)"
             )
         spec, found[name] = _TAGS[name](f"{spec}@{tag}")
-    return (spec, *(found.get(name) for name in ("values", "surrogate", "linear")))
+    return (spec, *(found.get(name) for name in ("values", "surrogate", "linear", "push")))
 
 
 def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     """Train and probe one cell (module docstring); returns its ``grid.csv`` row."""
     train_data, factual, _ = data
-    spec, mu, schedule, fade = remedies(cell["attention"])
+    spec, mu, schedule, fade, push = remedies(cell["attention"])
     is_ref = cell["attention"] == REFERENCE
     scale, linear_scale = Scale(), Scale()
 
@@ -267,7 +270,8 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         return False
 
     init = TransformerLM(mcfg)
-    with (
+    with (  # @push replaces the surrogate term: first, so that the others wrap it
+        surrogate_push(push) if push is not None else contextlib.nullcontext(),
         scaled_surrogate(scale) if schedule else contextlib.nullcontext(),
         surrogate_values(mu) if mu is not None else contextlib.nullcontext(),
         faded_linear(linear_scale) if fade else contextlib.nullcontext(),
