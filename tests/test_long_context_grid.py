@@ -457,6 +457,10 @@ def test_push_scaled_surrogate_in_a_model_changes_gradients_only():
         pull = _qk_grads(model, branches, x, y)
         assert float(model(x, y)[1].detach()) == loss
     assert AttentionCore._gradient_surrogate is original
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[:, :3] = False  # padded keys: the explicit pairs do not drop them, so refused
+    with surrogate_push(0.0), pytest.raises(ValueError, match="@push: padded"):
+        model(x, y, key_padding_mask=keep)[1].backward()
     for layer in base:
         scale = float(base[layer].abs().max())
         torch.testing.assert_close(same[layer], base[layer], rtol=1e-9, atol=1e-12 * scale)

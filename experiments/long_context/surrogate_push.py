@@ -33,25 +33,15 @@ import torch
 from polysketch.nn.core import AttentionCore
 
 from .grid_diagnostics import far_keys
+from .surrogate_schedule import split_number
 
 __all__ = ["split_push", "surrogate_push", "pushed_surrogate_grads"]
-
-_TAG = "@push="
 
 
 def split_push(attention: str) -> tuple[str, float | None]:
     """``"SPEC@push=S"`` -> (SPEC, s); any other spec -> (spec, None). ValueError naming the
     attention unless 0 <= s <= 1."""
-    if _TAG not in attention:
-        return attention, None
-    spec, _, text = attention.partition(_TAG)
-    try:
-        s = float(text)
-    except ValueError:
-        raise ValueError(f"attention {attention!r}: expected SPEC{_TAG}S, S in [0, 1]") from None
-    if not 0.0 <= s <= 1.0:
-        raise ValueError(f"attention {attention!r}: S must be in [0, 1], got {s}")
-    return spec, s
+    return split_number(attention, "push", 0.0, 1.0)
 
 
 def pushed_surrogate_grads(q, k, v, g, chunk: int, push: float):

@@ -21,11 +21,15 @@ gradients (hence training) change. A hook in the library (a λ schedule in
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 from polysketch.nn.core import AttentionCore
 
-__all__ = ["SurrogateSchedule", "split_decay", "split_schedule", "scaled_surrogate", "Scale"]
+__all__ = [
+    "SurrogateSchedule", "split_decay", "split_number", "split_schedule", "scaled_surrogate",
+    "Scale",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,23 @@ def split_decay(attention: str, tag: str, field: str, example: str):
         raise ValueError(f"attention {attention!r}: the schedule sets {field}")
     joiner = "," if ":" in spec else ":"
     return f"{spec}{joiner}{field}={schedule.start}", schedule
+
+
+def split_number(attention: str, tag: str, minimum: float, maximum: float | None = None):
+    """``"SPEC@TAG=X"`` -> (SPEC, X as a float); an attention without ``@TAG=`` ->
+    (attention, None). ValueError naming the attention unless minimum <= X (<= maximum)."""
+    marker = f"@{tag}="
+    if marker not in attention:
+        return attention, None
+    spec, _, text = attention.partition(marker)
+    bounds = f"in [{minimum:g}, {maximum:g}]" if maximum is not None else f">= {minimum:g}"
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (x >= minimum and (maximum is None or x <= maximum)):
+        raise ValueError(f"attention {attention!r}: expected SPEC{marker}X with X {bounds}")
+    return spec, x
 
 
 def split_schedule(attention: str) -> tuple[str, SurrogateSchedule | None]:

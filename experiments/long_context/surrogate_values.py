@@ -27,26 +27,15 @@ import contextlib
 
 from polysketch.nn.core import AttentionCore
 
-__all__ = ["split_values", "surrogate_values"]
+from .surrogate_schedule import split_number
 
-_TAG = "@values="
+__all__ = ["split_values", "surrogate_values"]
 
 
 def split_values(attention: str) -> tuple[str, float | None]:
     """``"SPEC@values=MU"`` -> (SPEC, μ); any other spec -> (spec, None). ValueError naming
     the attention if μ does not parse or is negative."""
-    if _TAG not in attention:
-        return attention, None
-    spec, _, text = attention.partition(_TAG)
-    try:
-        mu = float(text)
-    except ValueError:
-        raise ValueError(
-            f"attention {attention!r}: expected SPEC{_TAG}MU, MU a float >= 0"
-        ) from None
-    if not mu >= 0:
-        raise ValueError(f"attention {attention!r}: MU must be >= 0, got {mu}")
-    return spec, mu
+    return split_number(attention, "values", 0.0)
 
 
 @contextlib.contextmanager
