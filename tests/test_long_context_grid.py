@@ -16,9 +16,12 @@ from experiments.long_context.grid import (
     value_at,
 )
 from experiments.long_context.grid_diagnostics import (
+    _value_gradients,
     diagnose,
     far_keys,
+    global_branches,
     source_cosines,
+    source_values,
     source_weights,
 )
 from experiments.long_context.probe_training import ProbeSettings, model_config
@@ -120,6 +123,66 @@ def test_far_keys_and_source_weights_match_the_maps_kernel():
         assert c_next[n] == pytest.approx(float(cos[i, i + 1 - d]), rel=1e-12)
 
 
+def test_source_values_are_z_scores_of_the_values_loss_decrease_over_far_keys():
+    gen = torch.Generator().manual_seed(2)
+    g, v = torch.randn(40, 6, generator=gen).double(), torch.randn(40, 6, generator=gen).double()
+    queries, d = torch.tensor([20, 25, 33, 39]), 16
+    z_src, z_next = source_values(g, v, queries, d, 4)
+    for n, i in enumerate(queries.tolist()):
+        far = [j for j in range(40) if j < (i // 4) * 4]
+        u = torch.tensor([-float(g[i] @ v[j]) for j in far], dtype=torch.float64)
+        mean, std = u.mean(), u.std(unbiased=False)
+        own = (-float(g[i] @ v[i - d]) - mean) / std
+        nxt = (-float(g[i] @ v[i + 1 - d]) - mean) / std
+        assert z_next[n] == pytest.approx(float(nxt), rel=1e-10)
+        assert z_src[n] == pytest.approx(float(own + nxt) / 2, rel=1e-10)
+    # a value that lowers the loss (u = −g·v large) scores > 0; its opposite < 0
+    v2 = v.clone()
+    v2[25 + 1 - d] = -5 * g[25] / g[25].norm()
+    assert source_values(g, v2, torch.tensor([25]), d, 4)[1] > 0
+    v2[25 + 1 - d] = 5 * g[25] / g[25].norm()
+    assert source_values(g, v2, torch.tensor([25]), d, 4)[1] < 0
+
+
+def test_value_gradients_give_the_loss_change_of_moving_attention_onto_a_key():
+    """g from ``_value_gradients`` is the loss gradient at the branch core's output: moving
+    query i's output o_i by ε(v_j − o_i) (weight ε onto key j) changes the loss by
+    ε g_i·(v_j − o_i), checked by central differences in fp64: with ε = 1e-4 the rounding
+    error is ≈ 2⁻⁵³·|L|/ε ≈ 5e-12 and the truncation ε²·|L‴|/6 ≈ 1e-9 or less, against a
+    derivative ≈ 1e-4 (asserted > 1e-6): rel 1e-4. (Every surrogate off: with a later layer's
+    surrogate on, g would also carry its training-only gradient, a 6 % change here.)"""
+    model = _tiny_preset(5.0).eval()
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
+    inputs, targets = windows.inputs, windows.targets
+    branches = global_branches(model)
+    values = _value_gradients(model, branches, inputs, targets)
+    b, h, i, j = 1, 0, 45, 14  # the preset's global branch has one head here
+    for layer, block in branches:
+        v, g = values[layer]
+        inner = block.attn.attend
+        seen = {}
+
+        def loss_with(eps, attn=block.attn, inner=inner, v=v, seen=seen):
+            def attend(q, k, vv, **kw):
+                out = inner(q, k, vv, **kw).clone()
+                seen["o"] = out[b, h, i].clone()
+                out[b, h, i] += eps * (v[b, h, j] - out[b, h, i])
+                return out
+
+            attn.attend = attend
+            try:
+                with torch.no_grad():
+                    return float(model(inputs, targets)[1])
+            finally:
+                del attn.attend
+
+        eps = 1e-4
+        fd = (loss_with(eps) - loss_with(-eps)) / (2 * eps)
+        expect = float(g[b, h, i] @ (v[b, h, j] - seen["o"]))
+        assert abs(expect) > 1e-6
+        assert fd == pytest.approx(expect, rel=1e-4)
+
+
 def _tiny_preset(gradient_surrogate):
     settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
     spec = f"soft_hash_far_local:num_features=64,gradient_surrogate={gradient_surrogate}"
@@ -152,6 +215,7 @@ def test_diagnose_reads_the_global_branch_and_the_surrogates_share():
     for r in rows[5.0]:  # no linear term: every feature is a bucket
         assert r["source_weight_all"] == pytest.approx(r["source_weight"], rel=1e-12)
         assert all(-1.0 <= r[c] <= 1.0 for c in ("source_cos", "far_cos", "next_cos"))
+        assert math.isfinite(r["source_value"]) and r["next_value"] != 0.0
     # with the linear term (Eq. 6 at c = 3), every key's score gains α(c + cos)/(1 + c): the
     # weight the branch attends with is no longer the buckets' alone
     settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)

@@ -28,6 +28,19 @@ branch's queries and keys as its core receives them (after the q/k LayerNorm and
   source's key in the direction the linear term and the buckets' logits read; ``next_cos``
   the same for j = i + 1 − d alone (so cos(q_i, k_{i−d}) = 2·source_cos − next_cos: the key
   of the query's own token);
+* ``source_value``, ``next_value``: whether attending to the source would lower the loss, as
+  the map's and the surrogate's gradients both see it. With g_i the gradient of the loss
+  (every surrogate off) at query i's output of the branch's core (before its output
+  projection) and v_j the core's values, moving attention weight ε from i's current
+  distribution onto key j changes the loss by ε g_i·(v_j − o_i), the coefficient c_ij of
+  every normalized attention's score gradient (``surrogate_push``). The column is the
+  z-score over i's far keys of u_ij = −g_i·v_j at the source, (u_src − mean_far u) / std_far
+  u (o_i drops out), mean over the two sources (``source_value``) or at j = i + 1 − d alone
+  (``next_value``), mean over queries: > 0 when the source's value lowers the loss more than
+  an average far key's (every gradient pulls q_i towards k_src), < 0 when it raises it (they
+  push q_i off it, whatever the kernel). It reads the values and the loss, not the kernel:
+  at step 0 it is set by the initialized value, output and unembedding projections and by
+  the data;
 * ``surrogate_ratio``, ``surrogate_cos``: with G the gradient of the training loss with
   respect to the q and k rows of the global branch's projection, G_map the same with the
   surrogate off (λ = 0: the map's own gradient; the surrogate is exactly 0 in value, so the
@@ -54,12 +67,13 @@ from polysketch.features.soft_hash import SoftHashFeatureMap
 
 __all__ = [
     "DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_weights", "source_cosines",
+    "source_values",
 ]  # fmt: skip
 
 DIAG_COLUMNS = (
     "layer", "tau", "q_buckets", "k_buckets", "k_usage", "source_weight", "source_lift",
     "next_weight", "surrogate_ratio", "surrogate_cos", "global_rms", "window_rms",
-    "source_weight_all", "source_cos", "far_cos", "next_cos",
+    "source_weight_all", "source_cos", "far_cos", "next_cos", "source_value", "next_value",
 )  # fmt: skip
 
 
@@ -125,14 +139,54 @@ def source_cosines(q, k, queries, distance: int, chunk: int | None):
     return src, far, nxt
 
 
+def source_values(g, v, queries, distance: int, chunk: int | None):
+    """(z_src, z_next) per query: the z-scores over the far keys j of i of u_ij = −g_i·v_j at
+    the two sources j ∈ {i − d, i + 1 − d} (mean of the two) and at j = i + 1 − d (module
+    docstring: ``source_value``, ``next_value``). g (T, E) the loss gradient at the core's
+    output, v (T, E) its values, of one window and head; ``queries`` (Q,) positions with both
+    sources among their far keys. A query whose far keys' u all agree has z = 0."""
+    u = -(g[queries] @ v.T)  # (Q, T)
+    mask = far_keys(v.shape[0], chunk)[queries]
+    n = mask.sum(-1)
+    mean = u.masked_fill(~mask, 0.0).sum(-1) / n
+    std = ((u - mean[:, None]).masked_fill(~mask, 0.0).pow(2).sum(-1) / n).sqrt()
+    rows = torch.arange(len(queries))
+    scale = torch.where(std > 0, std, 1.0)
+    z_own = (u[rows, queries - distance] - mean) / scale
+    z_next = (u[rows, queries + 1 - distance] - mean) / scale
+    return (z_own + z_next) / 2, z_next
+
+
+def _value_gradients(model, branches, inputs, targets) -> dict[int, tuple]:
+    """Per layer, (v, g) of its global branch's core: the values it attends with and the
+    gradient of the loss at its output (B, H, T, E), detached. Every surrogate is off: a later
+    layer's surrogate, 0 in value, would add its training-only gradient to g."""
+    stores = {layer: {} for layer, _ in branches}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_surrogates_off(branches))
+        for layer, block in branches:
+            stack.enter_context(_captured(block.attn, stores[layer], output=True))
+        model.zero_grad(set_to_none=True)
+        _, loss = model(inputs, targets)
+        outs = [stores[layer]["out"] for layer, _ in branches]
+        grads = torch.autograd.grad(loss, outs)
+    model.zero_grad(set_to_none=True)
+    return {layer: (stores[layer]["v"], g.detach())
+            for (layer, _), g in zip(branches, grads, strict=True)}  # fmt: skip
+
+
 @contextlib.contextmanager
-def _captured(attn, store: dict):
-    """Within the block, ``attn``'s core records the q and k it attends with."""
+def _captured(attn, store: dict, *, output: bool = False):
+    """Within the block, ``attn``'s core records the q and k it attends with (and with
+    ``output``, its values and its output, the latter in the graph)."""
     inner = attn.attend
 
     def attend(q, k, v, **kw):
         store["q"], store["k"] = q.detach(), k.detach()
-        return inner(q, k, v, **kw)
+        out = inner(q, k, v, **kw)
+        if output:
+            store["v"], store["out"] = v.detach(), out
+        return out
 
     attn.attend = attend
     try:
@@ -159,6 +213,20 @@ def _qk_grads(model, branches, inputs, targets) -> dict[int, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _surrogates_off(branches):
+    """Within the block, every branch's surrogate weight is λ = 0 (the forward pass is the
+    same: the surrogate is 0 in value)."""
+    specs = {layer: block.attn.spec for layer, block in branches}
+    for layer, block in branches:  # the spec is frozen: the same one with λ = 0
+        block.attn.spec = dataclasses.replace(specs[layer], gradient_surrogate=0.0)
+    try:
+        yield
+    finally:
+        for layer, block in branches:
+            block.attn.spec = specs[layer]
+
+
 def _surrogate_share(model, branches, inputs, targets) -> dict[int, tuple[float, object]]:
     """Per layer (‖G_sur‖ / ‖G_map‖, cos(G_sur, G_map)), G_map with every surrogate of the
     model off (module docstring)."""
@@ -166,14 +234,8 @@ def _surrogate_share(model, branches, inputs, targets) -> dict[int, tuple[float,
     if not any(lams.values()):
         return {layer: (0.0, "") for layer in lams}
     total = _qk_grads(model, branches, inputs, targets)
-    specs = {layer: block.attn.spec for layer, block in branches}
-    for layer, block in branches:  # the spec is frozen: the same one with λ = 0
-        block.attn.spec = dataclasses.replace(specs[layer], gradient_surrogate=0.0)
-    try:
+    with _surrogates_off(branches):
         own = _qk_grads(model, branches, inputs, targets)
-    finally:
-        for layer, block in branches:
-            block.attn.spec = specs[layer]
     out = {}
     for layer in lams:
         sur = total[layer] - own[layer]
@@ -208,6 +270,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
     model.eval()  # no dropout: the two gradients differ by the surrogate only
     try:
         shares = _surrogate_share(model, branches, inputs, targets)
+        values = _value_gradients(model, branches, inputs, targets)
         stores = {layer: {} for layer, _ in branches}
         outs = {layer: {} for layer, _ in branches}
         hooks = []
@@ -240,7 +303,8 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
         qs = positions[far[positions, src] & far[positions, src + 1]]
         if len(qs) == 0:
             raise ValueError(f"no recurrence has its source among layer {layer}'s far keys")
-        ws, lifts, nexts, alls, srcs, fars, ncos = [], [], [], [], [], [], []
+        v, grad = values[layer]
+        ws, lifts, nexts, alls, srcs, fars, ncos, zs, znext = ([] for _ in range(9))
         for b in range(phi_q.shape[0]):
             for h in range(phi_q.shape[1]):
                 w, lift, nxt = source_weights(phi_q[b, h], phi_k[b, h], qs, distance,
@@ -255,6 +319,9 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
                 srcs.append(c_src)
                 fars.append(c_far)
                 ncos.append(c_next)
+                z_src, z_next = source_values(grad[b, h], v[b, h], qs, distance, chunk[layer])
+                zs.append(z_src)
+                znext.append(z_next)
         mask = windows.second_mask
         g, wdw = outs[layer]["global"][:, mask], outs[layer]["window"][:, mask]
         ratio, cos = shares[layer]
@@ -275,6 +342,8 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
             "source_cos": float(torch.cat(srcs).mean()),
             "far_cos": float(torch.cat(fars).mean()),
             "next_cos": float(torch.cat(ncos).mean()),
+            "source_value": float(torch.cat(zs).mean()),
+            "next_value": float(torch.cat(znext).mean()),
         })  # fmt: skip
     return rows
 

@@ -122,11 +122,19 @@ def _cosines(r) -> str:
     return f"{own:.2f} / {float(r['next_cos']):.2f} / {float(r['far_cos']):.2f}"
 
 
+def _values(r) -> str:
+    if r.get("next_value", "") == "":  # a row written before the columns existed
+        return "-"
+    own = 2 * float(r["source_value"]) - float(r["next_value"])  # z at j = i − d
+    return f"{own:+.2f} / {float(r['next_value']):+.2f}"
+
+
 def _diag_table(rows, diag) -> str:
     head = ("d", "schedule", "B", "seed", "attention", "onset", "step", "layer", "τ",
             "q buckets", "k buckets", "k usage", "source weight (next)", "source lift",
             "surrogate ‖G_sur‖/‖G_map‖ (cos)", "global / window rms",
-            "weight, every feature", "cos(q, k): i − d / i + 1 − d / far")  # fmt: skip
+            "weight, every feature", "cos(q, k): i − d / i + 1 − d / far",
+            "value z: i − d / i + 1 − d")  # fmt: skip
     body = []
     for s in rows:
         mine = [r for r in diag if all(str(r[k]) == str(s[k]) for k in CELL_KEY)]
@@ -145,6 +153,7 @@ def _diag_table(rows, diag) -> str:
                     f"{float(r['global_rms']):.3g} / {float(r['window_rms']):.3g}",
                     _num(r.get("source_weight_all", ""), ".2g"),
                     _cosines(r),
+                    _values(r),
                 ))  # fmt: skip
     return markdown_table(head, body) + "\n" if body else "(no diagnostics yet)\n"
 
@@ -238,14 +247,15 @@ def plot_diag(diag, path):
     """Per layer with a soft-hash global branch, two panels against the step, one line per
     run (d, schedule, B, seed, attention) of ``grid_diag.csv``: the weight on the copy's two
     source keys with every feature (``source_weight_all``; the buckets' alone for rows written
-    before that column), log scale; and cos(q_i, k_{i−d}) − the far keys' mean cosine (solid)
-    and cos(q_i, k_{i+1−d}) − the same (dotted), for rows that have the cosines. Returns the
+    before that column), log scale; cos(q_i, k_{i−d}) − the far keys' mean cosine (solid)
+    and cos(q_i, k_{i+1−d}) − the same (dotted), for rows that have the cosines; and the value
+    z-scores at j = i − d (solid) and i + 1 − d (dotted), for rows that have them. Returns the
     path, or None without diagnostics."""
     if not diag:
         return None
     layers = sorted({int(r["layer"]) for r in diag})
     runs = sorted({tuple(str(r[k]) for k in CELL_KEY) for r in diag})
-    fig, axes = subplots(2 * len(layers), ncols=2)
+    fig, axes = subplots(3 * len(layers), ncols=3)
     for n, key in enumerate(runs):
         mine = [r for r in diag if tuple(str(r[k]) for k in CELL_KEY) == key]
         d, schedule, b, seed, attention = key
@@ -258,7 +268,7 @@ def plot_diag(diag, path):
             )
             steps = [int(r["step"]) for r in rows]
             weight = [float(r.get("source_weight_all") or r["source_weight"]) for r in rows]
-            axes[2 * i].semilogy(steps, weight, color=color, lw=0.9, label=label)
+            axes[3 * i].semilogy(steps, weight, color=color, lw=0.9, label=label)
             cos = [r for r in rows if r.get("source_cos", "") != ""]
             if cos:
                 far = [float(r["far_cos"]) for r in cos]
@@ -266,23 +276,33 @@ def plot_diag(diag, path):
                 if all(r.get("next_cos", "") != "" for r in cos):
                     nxt = [float(r["next_cos"]) for r in cos]
                     own = [2 * float(r["source_cos"]) - v for r, v in zip(cos, nxt, strict=True)]
-                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(own, far, strict=True)],
+                    axes[3 * i + 1].plot(x, [a - f for a, f in zip(own, far, strict=True)],
                                          color=color, lw=0.9)  # fmt: skip
-                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(nxt, far, strict=True)],
+                    axes[3 * i + 1].plot(x, [a - f for a, f in zip(nxt, far, strict=True)],
                                          ":", color=color, lw=0.9)  # fmt: skip
                 else:  # the two sources' mean only
                     src = [float(r["source_cos"]) for r in cos]
-                    axes[2 * i + 1].plot(x, [a - f for a, f in zip(src, far, strict=True)],
+                    axes[3 * i + 1].plot(x, [a - f for a, f in zip(src, far, strict=True)],
                                          "--", color=color, lw=0.9)  # fmt: skip
+            zs = [r for r in rows if r.get("next_value", "") != ""]
+            if zs:
+                x = [int(r["step"]) for r in zs]
+                nxt = [float(r["next_value"]) for r in zs]
+                own = [2 * float(r["source_value"]) - v for r, v in zip(zs, nxt, strict=True)]
+                axes[3 * i + 2].plot(x, own, color=color, lw=0.9)
+                axes[3 * i + 2].plot(x, nxt, ":", color=color, lw=0.9)
     for i, layer in enumerate(layers):
-        axes[2 * i].set_title(f"layer {layer}: weight on the two source keys", fontsize=8)
-        axes[2 * i].set_ylabel("weight (every feature)")
-        axes[2 * i + 1].set_title(f"layer {layer}: cos(q, k_src) − mean cos(q, k_far)", fontsize=8)
-        axes[2 * i + 1].axhline(0.0, color="grey", lw=0.5)
+        axes[3 * i].set_title(f"layer {layer}: weight on the two source keys", fontsize=8)
+        axes[3 * i].set_ylabel("weight (every feature)")
+        axes[3 * i + 1].set_title(f"layer {layer}: cos(q, k_src) − mean cos(q, k_far)", fontsize=8)
+        axes[3 * i + 1].axhline(0.0, color="grey", lw=0.5)
         for style, what in (("-", "src = i − d"), (":", "src = i + 1 − d"), ("--", "both")):
-            axes[2 * i + 1].plot([], [], style, color="k", lw=0.9, label=what)
-        axes[2 * i + 1].legend(fontsize=6)
-        for ax in axes[2 * i : 2 * i + 2]:
+            axes[3 * i + 1].plot([], [], style, color="k", lw=0.9, label=what)
+        axes[3 * i + 1].legend(fontsize=6)
+        axes[3 * i + 2].set_title(f"layer {layer}: value z-score of the source (> 0: pulls q)",
+                                  fontsize=8)  # fmt: skip
+        axes[3 * i + 2].axhline(0.0, color="grey", lw=0.5)
+        for ax in axes[3 * i : 3 * i + 3]:
             ax.set_xlabel("step")
     axes[0].legend(fontsize=5)
     return save_png(fig, path)
