@@ -20,7 +20,8 @@ A candidate may carry training-only remedies of issue 44 item 2 as tags,
 ``SPEC@surrogate=A:B:T`` (a decaying surrogate weight, ``surrogate_schedule``),
 ``SPEC@linear=A:B:T`` (a fading linear term, ``linear_schedule``), ``SPEC@values=MU`` (a
 surrogate that trains the values, ``surrogate_values``) and ``SPEC@push=S`` (the surrogate's
-pushes scaled by S, ``surrogate_push``), combined as ``SPEC@tag@tag``.
+pushes scaled by S, ``surrogate_push``) and ``SPEC@outinit=S`` (the global branch's output
+projection initialized at S × GPT-2's, ``global_init``), combined as ``SPEC@tag@tag``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from polysketch.nn import TransformerLM
 from polysketch.nn.ablate import ablate_global, global_parts
 
 from .cli import add_common, guarded, header, out_dir
+from .global_init import scaled_global_init, split_outinit
 from .grid import CELL_KEY, SCHEDULES, copied, onset, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
 from .grid_report import markdown, plot_diag, plot_grid
@@ -199,14 +201,15 @@ def _same_cell(row, cell) -> bool:
 
 
 _TAGS = {"values": split_values, "surrogate": split_schedule, "linear": split_linear,
-         "push": split_push}  # fmt: skip
+         "push": split_push, "outinit": split_outinit}  # fmt: skip
 """The grid's training-only remedies, spelled ``SPEC@name=...`` (each its module)."""
 
 
 def remedies(attention: str) -> tuple:
     """``SPEC@tag@tag...`` -> (the spec to build, μ of ``@values``, the ``@surrogate``
-    schedule, the ``@linear`` schedule, s of ``@push``), None where a tag is absent; each
-    tag's parser sees the spec built so far. ValueError naming an unknown tag."""
+    schedule, the ``@linear`` schedule, s of ``@push``, s of ``@outinit``), None where a tag
+    is absent; each tag's parser sees the spec built so far. ValueError naming an unknown
+    tag."""
     spec, *tags = attention.split("@")
     found = {}
     for tag in tags:
@@ -217,13 +220,13 @@ def remedies(attention: str) -> tuple:
                 f"(one of {', '.join('@' + t for t in _TAGS)}, once each)"
             )
         spec, found[name] = _TAGS[name](f"{spec}@{tag}")
-    return (spec, *(found.get(name) for name in ("values", "surrogate", "linear", "push")))
+    return (spec, *(found.get(name) for name in _TAGS))
 
 
 def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     """Train and probe one cell (module docstring); returns its ``grid.csv`` row."""
     train_data, factual, _ = data
-    spec, mu, schedule, fade, push = remedies(cell["attention"])
+    spec, mu, schedule, fade, push, outinit = remedies(cell["attention"])
     is_ref = cell["attention"] == REFERENCE
     scale, linear_scale = Scale(), Scale()
 
@@ -269,13 +272,14 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
             return True
         return False
 
-    init = TransformerLM(mcfg)
     with (  # @push replaces the surrogate term: first, so that the others wrap it
+        scaled_global_init(outinit) if outinit is not None else contextlib.nullcontext(),
         surrogate_push(push) if push is not None else contextlib.nullcontext(),
         scaled_surrogate(scale) if schedule else contextlib.nullcontext(),
         surrogate_values(mu) if mu is not None else contextlib.nullcontext(),
         faded_linear(linear_scale) if fade else contextlib.nullcontext(),
     ):
+        init = TransformerLM(mcfg)
         record(init, 0)
         done = sorted((p for p in tables.curve.rows if _same_cell(p, cell)),
                       key=lambda p: int(p["step"]))  # fmt: skip
