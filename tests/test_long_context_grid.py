@@ -551,29 +551,17 @@ def test_grid_runs_a_push_scaled_surrogate_with_a_schedule(tmp_path):
     assert curve[("surrogate=100:10:2@push=0", 4)] != curve[("push=0", 4)]
 
 
-def test_outinit_scales_the_global_branchs_output_projection_at_init_only():
-    from experiments.long_context.global_init import scaled_global_init, split_outinit
+def test_outinit_tag_is_the_global_out_init_option():
+    from experiments.long_context.global_init import split_outinit
 
-    settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
-    config = model_config("soft_hash_far_local:num_features=64", settings)
-    base = dict(TransformerLM(config).named_parameters())
-    for scale in (0.0, 0.5):
-        with scaled_global_init(scale):
-            scaled = dict(TransformerLM(config).named_parameters())
-        for name, p in scaled.items():
-            if name.endswith("attn.out_proj.weight") and "local_attn" not in name:
-                assert torch.equal(p, base[name] * scale), name
-            else:
-                assert torch.equal(p, base[name]), name
-    after = dict(TransformerLM(config).named_parameters())  # the library's init is back
-    assert all(torch.equal(p, base[n]) for n, p in after.items())
-    shared = model_config("soft_hash_far:num_features=64,local_window=8,local_shared=True",
-                          settings)  # fmt: skip
-    with scaled_global_init(0.0), pytest.raises(ValueError, match="share one output"):
-        TransformerLM(shared)
-    assert split_outinit("soft_hash_far_local@outinit=0") == ("soft_hash_far_local", 0.0)
-    with pytest.raises(ValueError, match="outinit"):
-        split_outinit("soft_hash_far_local@outinit=-1")
+    assert split_outinit("soft_hash_far_local@outinit=0") == (
+        "soft_hash_far_local:global_out_init=0.0", 0.0)  # fmt: skip
+    assert split_outinit("soft_hash_far_local:num_features=64@outinit=0.5") == (
+        "soft_hash_far_local:num_features=64,global_out_init=0.5", 0.5)  # fmt: skip
+    assert split_outinit("soft_hash_far_local") == ("soft_hash_far_local", None)
+    for bad in ("soft_hash_far_local@outinit=-1", "x:global_out_init=1.0@outinit=0"):
+        with pytest.raises(ValueError, match="outinit"):
+            split_outinit(bad)
 
 
 def test_grid_runs_a_zero_initialized_global_branch(tmp_path):

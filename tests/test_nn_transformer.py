@@ -515,6 +515,42 @@ def test_global_rope_off_leaves_the_global_branch_unrotated_and_the_window_rotat
         TransformerConfig(attention="soft_hash_far", global_rope="no", **small).validate()
 
 
+def test_global_out_init_scales_only_the_global_branchs_output_projection():
+    """global_out_init = S: the attention beside the window starts with its output projection
+    at S × the default draw, every other weight as without it (the draw is the same); S = 0
+    makes the model at step 0 the window branch alone (its global branch ablated)."""
+    from polysketch.nn import ablate_global
+    from polysketch.nn.resolve import config_options
+
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4, block_size=16,
+                 attention="soft_hash_far_local", map_kwargs={"num_features": 12})  # fmt: skip
+    base = dict(TransformerLM(TransformerConfig(**small)).named_parameters())
+    for scale in (0.0, 0.5):
+        model = TransformerLM(TransformerConfig(global_out_init=scale, **small))
+        assert model.spec.hybrid.out_init == scale
+        for name, p in model.named_parameters():
+            global_out = ".attn.out_proj." in name and "local_attn" not in name
+            torch.testing.assert_close(p, base[name] * (scale if global_out else 1.0),
+                                       rtol=0, atol=0)  # fmt: skip
+    zero = TransformerLM(TransformerConfig(global_out_init=0.0, **small))
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = zero(idx)[0]
+    with ablate_global(zero):
+        torch.testing.assert_close(zero(idx)[0], logits, rtol=0, atol=0)
+    assert config_options("soft_hash_far_local:global_out_init=0.0")["global_out_init"] == 0.0
+    spec = zero.spec
+    assert type(spec).from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="global_out_init"):
+        TransformerConfig(**{**small, "global_out_init": -1.0}).validate()
+    with pytest.raises(TypeError, match="global_out_init"):
+        TransformerConfig(**{**small, "global_out_init": True}).validate()
+    with pytest.raises(ValueError, match="global_out_init .*needs local_window"):
+        TransformerConfig(attention="psf_random", global_out_init=0.0).validate()
+    with pytest.raises(ValueError, match="share one output projection"):
+        TransformerConfig(**{**small, "attention": "soft_hash_far", "local_window": 4,
+                             "local_shared": True, "global_out_init": 0.0}).validate()  # fmt: skip
+
+
 @pytest.mark.parametrize("short_conv", [0, 3])
 def test_a_model_is_a_function_of_its_config_not_of_the_global_rng(short_conv):
     """Every parameter comes from ``config.seed`` (the short convolution's bias too): two

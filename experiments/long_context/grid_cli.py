@@ -20,8 +20,8 @@ A candidate may carry training-only remedies of issue 44 item 2 as tags,
 ``SPEC@surrogate=A:B:T`` (a decaying surrogate weight, ``surrogate_schedule``),
 ``SPEC@linear=A:B:T`` (a fading linear term, ``linear_schedule``), ``SPEC@values=MU`` (a
 surrogate that trains the values, ``surrogate_values``) and ``SPEC@push=S`` (the surrogate's
-pushes scaled by S, ``surrogate_push``) and ``SPEC@outinit=S`` (the global branch's output
-projection initialized at S × GPT-2's, ``global_init``), combined as ``SPEC@tag@tag``.
+pushes scaled by S, ``surrogate_push``) and ``SPEC@outinit=S`` (``SPEC`` with
+``global_out_init=S``, ``global_init``), combined as ``SPEC@tag@tag``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from polysketch.nn import TransformerLM
 from polysketch.nn.ablate import ablate_global, global_parts
 
 from .cli import add_common, guarded, header, out_dir
-from .global_init import scaled_global_init, split_outinit
+from .global_init import split_outinit
 from .grid import CELL_KEY, SCHEDULES, copied, onset, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
 from .grid_report import markdown, plot_diag, plot_grid
@@ -207,9 +207,9 @@ _TAGS = {"values": split_values, "surrogate": split_schedule, "linear": split_li
 
 def remedies(attention: str) -> tuple:
     """``SPEC@tag@tag...`` -> (the spec to build, μ of ``@values``, the ``@surrogate``
-    schedule, the ``@linear`` schedule, s of ``@push``, s of ``@outinit``), None where a tag
-    is absent; each tag's parser sees the spec built so far. ValueError naming an unknown
-    tag."""
+    schedule, the ``@linear`` schedule, s of ``@push``, S of ``@outinit`` (already in the
+    spec)), None where a tag is absent; each tag's parser sees the spec built so far.
+    ValueError naming an unknown tag."""
     spec, *tags = attention.split("@")
     found = {}
     for tag in tags:
@@ -226,7 +226,7 @@ def remedies(attention: str) -> tuple:
 def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     """Train and probe one cell (module docstring); returns its ``grid.csv`` row."""
     train_data, factual, _ = data
-    spec, mu, schedule, fade, push, outinit = remedies(cell["attention"])
+    spec, mu, schedule, fade, push, _ = remedies(cell["attention"])  # @outinit: in spec
     is_ref = cell["attention"] == REFERENCE
     scale, linear_scale = Scale(), Scale()
 
@@ -273,7 +273,6 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         return False
 
     with (  # @push replaces the surrogate term: first, so that the others wrap it
-        scaled_global_init(outinit) if outinit is not None else contextlib.nullcontext(),
         surrogate_push(push) if push is not None else contextlib.nullcontext(),
         scaled_surrogate(scale) if schedule else contextlib.nullcontext(),
         surrogate_values(mu) if mu is not None else contextlib.nullcontext(),

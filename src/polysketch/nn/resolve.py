@@ -249,7 +249,7 @@ def resolve_model(config) -> ModelSpec:
     hybrid = None
     head_dim = config.n_embd // config.n_head
     if window is None:
-        for field_name in ("global_heads", "global_every", "global_rope"):
+        for field_name in ("global_heads", "global_every", "global_rope", "global_out_init"):
             if getattr(config, field_name) is not None:
                 raise ValueError(_needs_window(field_name))
         if config.local_shared:
@@ -266,6 +266,9 @@ def resolve_model(config) -> ModelSpec:
             "every": config.global_every if config.global_every is not None else base.every,
             "rope": config.global_rope if config.global_rope is not None else base.rope,
             "shared": config.local_shared if config.local_shared is not None else base.shared,
+            "out_init": (
+                config.global_out_init if config.global_out_init is not None else base.out_init
+            ),
         }
         hybrid = HybridSpec(window=window, value_fraction=base.value_fraction, **pick)
         if hybrid.rope and not config.rope:
@@ -316,6 +319,8 @@ def _needs_window(field_name: str) -> str:
         "global_heads": "sets the heads of the attention beside a sliding-window branch",
         "global_every": "leaves some layers to the sliding-window branch alone",
         "global_rope": "sets RoPE of the attention beside a sliding-window branch",
+        "global_out_init": "scales the initial output projection of the attention beside a "
+        "sliding-window branch",
     }[field_name]
     return f"{field_name} {what}: it needs local_window"
 
@@ -324,7 +329,7 @@ def _needs_window(field_name: str) -> str:
 MODEL_KEYS = (
     "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
     "learn_balance", "window", "local_window", "local_shared", "global_heads", "global_every",
-    "global_rope", "gradient_surrogate", "recompute",
+    "global_rope", "global_out_init", "gradient_surrogate", "recompute",
 )  # fmt: skip
 """Keys of a text spec that configure the model (``TransformerConfig``) rather than the map."""
 

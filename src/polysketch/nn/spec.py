@@ -21,7 +21,7 @@ preset tables (``polysketch.nn.presets``).
 * ``HybridSpec``: a sliding-window softmax branch beside every layer's attention (BASED's
   local + global design; ``Block``): its window, the attention's heads, the layers that have
   the attention (``every``), RoPE on the attention's q/k, its per-head values, whether the
-  branches share one projection.
+  branches share one projection, the scale of the attention's output projection at init.
 * ``ModelSpec``: a ``TransformerLM``'s attention and hybrid, with the per-head sizes resolved.
 
 Each spec validates itself when built and converts to and from a plain dict
@@ -35,6 +35,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from polysketch._checks import check_float
 
 __all__ = [
     "FORMS",
@@ -204,7 +206,11 @@ class HybridSpec:
     RoPE on the attention's q/k (None: the model's ``rope``). ``value_fraction``: the
     attention's per-head values as a fraction of the model's head dim, rounded down (None: the
     attention's default width). ``shared``: the branches read one q/k/v projection and share
-    the output projection. A ``ModelSpec`` holds it with ``heads`` and ``rope`` resolved.
+    the output projection. ``out_init``: the attention's output projection starts at
+    ``out_init`` × the model's residual-output initialization (``TransformerLM._init_weights``;
+    0: zero, so the attention adds nothing at step 0 and its value–output circuit starts
+    neutral; the window branch keeps the model's); 1 with ``shared``. A ``ModelSpec`` holds it
+    with ``heads`` and ``rope`` resolved.
     """
 
     window: int
@@ -213,6 +219,7 @@ class HybridSpec:
     rope: bool | None = None
     value_fraction: float | None = None
     shared: bool = False
+    out_init: float = 1.0
 
     def __post_init__(self):
         for name in ("window", "heads", "every"):
@@ -230,6 +237,13 @@ class HybridSpec:
         fraction = self.value_fraction
         if fraction is not None and not (isinstance(fraction, (int, float)) and fraction > 0):
             raise ValueError(f"value_fraction must be a float > 0, got {fraction!r}")
+        scale = check_float(self.out_init, "global_out_init", minimum=0.0)
+        object.__setattr__(self, "out_init", scale)
+        if self.shared and scale != 1:
+            raise ValueError(
+                f"global_out_init={scale!r} with local_shared=True: the branches share one "
+                "output projection, which cannot start at another scale for one of them"
+            )
 
     def has_global(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` has the attention beside its window (``every``)."""

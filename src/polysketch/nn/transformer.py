@@ -107,6 +107,11 @@ class TransformerConfig:
         None, help="RoPE on the q/k of the attention beside the window branch (default: the "
         "model preset's, else as the model)",
     )  # fmt: skip
+    global_out_init: float | None = documented(
+        None, help="the output projection of the attention beside the window branch starts at "
+        "this multiple of the residual-output initialization (0: zero; default: the model "
+        "preset's, else 1)",
+    )  # fmt: skip
     recompute: bool = documented(
         True, help="the linear, mixed and window attentions recompute their features and "
         "scores in the backward pass instead of keeping them (memory ≈ softmax's; about one "
@@ -154,6 +159,8 @@ class TransformerConfig:
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
         if self.gradient_surrogate is not None:
             check_float(self.gradient_surrogate, "gradient_surrogate", minimum=0.0)
+        if self.global_out_init is not None:
+            check_float(self.global_out_init, "global_out_init", minimum=0.0)
         resolve_model(self)  # the attention's fields, together
         return self
 
@@ -310,7 +317,9 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """GPT-2 init: N(0, 0.02) for linears and embeddings, residual outputs / √(2 n_layer).
+        """GPT-2 init: N(0, 0.02) for linears and embeddings, residual outputs / √(2 n_layer);
+        the output projection of an attention beside a window branch then × its
+        ``HybridSpec.out_init`` (drawn first, so the other weights do not depend on it).
 
         Drawn from a generator seeded with ``config.seed`` (reproducible models: nothing
         reads the global RNG); feature maps keep their own (seeded) initialization. A short
@@ -340,6 +349,11 @@ class TransformerLM(nn.Module):
                 else std
             )
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
+        hybrid = self.spec.hybrid
+        if hybrid is not None and hybrid.out_init != 1:
+            for blk in self.blocks:
+                if blk.local_attn is not None:  # shared branches keep 1 (HybridSpec)
+                    blk.attn.out_proj.weight.mul_(hybrid.out_init)
 
     # ----- forward ---------------------------------------------------------------------------
     def _check_idx(self, idx: torch.Tensor, name: str = "idx", *, empty: bool = False):
