@@ -540,6 +540,9 @@ def test_global_out_init_scales_only_the_global_branchs_output_projection():
     assert config_options("soft_hash_far_local:global_out_init=0.0")["global_out_init"] == 0.0
     spec = zero.spec
     assert type(spec).from_dict(spec.to_dict()) == spec
+    default = TransformerLM(TransformerConfig(**small)).spec
+    assert "out_init" not in default.to_dict()["hybrid"]  # older readers know every key
+    assert type(default).from_dict(default.to_dict()) == default
     with pytest.raises(ValueError, match="global_out_init"):
         TransformerConfig(**{**small, "global_out_init": -1.0}).validate()
     with pytest.raises(TypeError, match="global_out_init"):

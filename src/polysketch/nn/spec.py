@@ -250,7 +250,12 @@ class HybridSpec:
         return self.every is None or (layer_index + 1) % self.every == 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; ``out_init`` only where it is not 1 (a checkpoint that does
+        not use it stays readable by versions without the field)."""
+        out = asdict(self)
+        if out["out_init"] == 1:
+            del out["out_init"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridSpec:
