@@ -183,6 +183,14 @@ def test_value_gradients_give_the_loss_change_of_moving_attention_onto_a_key():
         assert fd == pytest.approx(expect, rel=1e-4)
 
 
+def _tiny_model_on_windows(n_layer):
+    """A small fp64 preset (F = 64), two repeat windows (d = 32) and its global branches."""
+    settings = ProbeSettings(n_layer=n_layer, n_embd=32, n_head=2, chunk_size=8, context=64)
+    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
+    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
+    return model, windows.inputs, windows.targets, global_branches(model)
+
+
 def _tiny_preset(gradient_surrogate):
     settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
     spec = f"soft_hash_far_local:num_features=64,gradient_surrogate={gradient_surrogate}"
@@ -320,16 +328,12 @@ def test_surrogate_schedule_parses_and_decays():
 def test_scaled_surrogate_scales_the_surrogates_gradient_only():
     """One layer: G(s) = G_map + s·λ·G_1 exactly (fp64), the outputs unchanged; the class's
     method is restored after the block."""
-    from experiments.long_context.grid_diagnostics import _qk_grads, global_branches
+    from experiments.long_context.grid_diagnostics import _qk_grads
     from experiments.long_context.surrogate_schedule import Scale, scaled_surrogate
 
     from polysketch.nn.core import AttentionCore
 
-    settings = ProbeSettings(n_layer=1, n_embd=32, n_head=2, chunk_size=8, context=64)
-    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
-    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
-    x, y = windows.inputs, windows.targets
-    branches = global_branches(model)
+    model, x, y, branches = _tiny_model_on_windows(n_layer=1)
     original = AttentionCore._gradient_surrogate
     grads, losses = {}, {}
     for s in (0.0, 1.0, 0.25):
@@ -502,16 +506,12 @@ def test_push_scaled_surrogate_is_the_librarys_at_one_and_pull_only_at_zero():
 
 
 def test_push_scaled_surrogate_in_a_model_changes_gradients_only():
-    from experiments.long_context.grid_diagnostics import _qk_grads, global_branches
+    from experiments.long_context.grid_diagnostics import _qk_grads
     from experiments.long_context.surrogate_push import surrogate_push
 
     from polysketch.nn.core import AttentionCore
 
-    settings = ProbeSettings(n_layer=2, n_embd=32, n_head=2, chunk_size=8, context=64)
-    model = TransformerLM(model_config("soft_hash_far_local:num_features=64", settings)).double()
-    windows = make_repeat(RepeatConfig(seq_len=64, passage_len=32, distance=32), 2, seed=0)
-    x, y = windows.inputs, windows.targets
-    branches = global_branches(model)
+    model, x, y, branches = _tiny_model_on_windows(n_layer=2)
     original = AttentionCore._gradient_surrogate
     base = _qk_grads(model, branches, x, y)
     loss = float(model(x, y)[1].detach())
