@@ -12,6 +12,7 @@ from experiments.long_context.grid import (
     cell_summary,
     copied,
     onset,
+    past_target,
     schedule_options,
     value_at,
 )
@@ -74,6 +75,9 @@ def test_copied_needs_the_gain_a_near_zero_recurrence_loss_and_for_a_candidate_1
     assert copied(big, low, 150, fraction=0.95, reference_onset=100, is_reference=False)
     with pytest.raises(ValueError, match="fraction"):
         copied(big, low, 1, fraction=0.0, reference_onset=1, is_reference=True)
+    # the screening stop: at 1.5x the reference's onset, copied or not; never without one
+    assert not past_target(149, reference_onset=100) and past_target(150, reference_onset=100)
+    assert not past_target(10**6, reference_onset=None)
 
 
 def test_cell_summary_against_softmax():
@@ -576,3 +580,44 @@ def test_grid_runs_a_zero_initialized_global_branch(tmp_path):
     first, last = curve[0], curve[-1]
     assert int(first["step"]) == 0 and first["second"] == first["ablated_second"]
     assert int(last["step"]) > 0 and last["second"] != last["ablated_second"]
+
+
+@pytest.mark.filterwarnings("ignore:warmup_steps=50 >= steps=8")
+def test_grid_stop_at_target_stops_a_candidate_where_its_target_is_read(tmp_path, capsys):
+    """--stop-at-target: with softmax's onset at step 2 (set by hand in its curve), the
+    candidate stops at step 4 = the first evaluation >= 1.5 x 2, of a budget of 8 (the full
+    grid trains it to 8), labelled ``target``; its curve up to 4 is the full run's, so the
+    target's verdict is the same; grids with and without the flag do not mix."""
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--chunk-size", "8", "--steps", "8",
+            "--probe-every", "2", "--val-windows", "2", "--distances", "16",
+            "--batch-sizes", "2", "--diagnose-every", "0", "--seeds", "0",
+            "--schedules", "constant", "--no-progress"]  # fmt: skip
+    cand = "soft_hash_far_local:num_features=64"
+    curves = {}
+    for flag in ([], ["--stop-at-target"]):
+        out = tmp_path / f"grid{len(flag)}"
+        base = ["grid", *tiny, *flag, "--out", str(out), "--runs", str(out / "runs")]
+        assert long_context.main([*base, "--attentions", "softmax"]) == 0
+        rows = _rows(out / "grid_curve.csv")
+        for r in rows:  # softmax's onset at step 2
+            if r["step"] == "2":
+                r["second"] = str(0.1 * ONSET_LOSS)
+        with (out / "grid_curve.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        assert long_context.main([*base, "--reuse", "--attentions", "softmax", cand]) == 0
+        row = next(r for r in _rows(out / "grid.csv") if r["attention"] == cand)
+        curves[len(flag)] = [(int(r["step"]), r["second"]) for r in _rows(out / "grid_curve.csv")
+                             if r["attention"] == cand]  # fmt: skip
+        if flag:
+            assert (row["stopped"], row["last_step"]) == ("target", "4")
+            assert "stopped: target" in (out / "grid.md").read_text()
+            without = [a for a in base if a != "--stop-at-target"]
+            capsys.readouterr()
+            assert long_context.main([*without, "--reuse", "--attentions", "softmax"]) == 2
+            assert "stop_at_target" in capsys.readouterr().err
+        else:
+            assert (row["stopped"], row["last_step"]) == ("budget", "8")
+    assert [s for s, _ in curves[1]] == [0, 2, 4]
+    assert curves[1] == curves[0][:3]

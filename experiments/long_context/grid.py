@@ -31,6 +31,12 @@ second condition keeps a run whose first occurrences got worse, g inflated by �
 from counting as copied) and, for a candidate,
 the step is ≥ 1.5 t₀ˢ (so g(1.5 t₀ˢ) is measured). Its value "at the budget" is then the one at
 that step, flagged in the table; a run that never copies trains to the budget.
+
+**Screening stop** (``past_target``, opt-in): a candidate may also stop at its first
+evaluation at or past 1.5 t₀ˢ, where the target is read. g(1.5 t₀ˢ), the ablated gain there and
+``passes`` are then exactly what the full run gives (evaluations are the same up to that step);
+the value "at the budget" and any onset after that step are not measured (the table says
+``stopped: target``). It halves the cost of a cell whose candidate does not copy early.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "onset",
     "value_at",
     "copied",
+    "past_target",
     "cell_summary",
 ]
 
@@ -103,8 +110,11 @@ def copied(gain: float, second: float, step: int, *, fraction: float,
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     if gain < fraction * LN26 or second > (1 - fraction) * LN26:
         return False
-    if is_reference:
-        return True
+    return is_reference or past_target(step, reference_onset=reference_onset)
+
+
+def past_target(step: int, *, reference_onset: int | None) -> bool:
+    """Whether a screening run may stop here (module docstring): step ≥ 1.5 t₀ˢ, t₀ˢ known."""
     return reference_onset is not None and step >= 1.5 * reference_onset
 
 

@@ -7,7 +7,8 @@ probing it at step 0 and every ``--probe-every`` steps on held-out windows (loss
 occurrences and recurrences, and with the global branch switched off), and, every
 ``--diagnose-every`` steps for soft-hash global branches, what that branch sees
 (``grid_diagnostics``). Softmax runs first in each (d, schedule, B, seed): the other
-attentions stop early only past 1.5× its onset (``grid.copied``).
+attentions stop early only past 1.5× its onset (``grid.copied``; with ``--stop-at-target``,
+there whether or not they copied: ``grid.past_target``).
 
 Writes ``grid.csv`` (one row per cell), ``grid_curve.csv`` (every evaluation),
 ``grid_diag.csv`` (the diagnostics), ``grid.md``, ``grid.png`` and ``grid_diag.png``
@@ -36,7 +37,7 @@ from polysketch.nn.ablate import ablate_global, global_parts
 
 from .cli import add_common, guarded, header, out_dir
 from .global_init import split_outinit
-from .grid import CELL_KEY, SCHEDULES, copied, onset, schedule_options
+from .grid import CELL_KEY, SCHEDULES, copied, onset, past_target, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
 from .grid_report import markdown, plot_diag, plot_grid
 from .linear_schedule import faded_linear, split_linear
@@ -87,6 +88,10 @@ def register(subparsers) -> None:
                    help="stop a run once its gain is >= this × ln 26 and its recurrence loss "
                    "<= (1 - this) × ln 26 (past 1.5× softmax's "
                    "onset for the others); 1: never")  # fmt: skip
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="screening: stop a candidate at its first evaluation at or past 1.5x "
+                   "softmax's onset, where the target is read (its value at the budget is then "
+                   "not measured; grid.past_target)")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="with --reuse: rewrite grid.md, grid.png and grid_diag.png from the "
                    "CSVs, training nothing (e.g. after cells were stopped by hand)")  # fmt: skip
@@ -149,6 +154,8 @@ def _run(args, argv) -> int:
                 "val_windows": opts["val_windows"], "diagnose_every": opts["diagnose_every"],
                 "diagnose_windows": args.diagnose_windows, "stop_fraction": args.stop_fraction,
                 "schedules": {s: schedule_options(s) for s in SCHEDULES}}  # fmt: skip
+    if args.stop_at_target:  # only when set: grids measured without it keep their settings
+        settings["stop_at_target"] = True
     kw = dict(settings=settings, reuse=args.reuse, overwrite=args.overwrite)
     tables = SimpleNamespace(
         cells=ResultCSV(out / "grid.csv", COLUMNS, CELL_KEY, **kw),
@@ -243,13 +250,21 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         ref_onset = onset(ref_curve) if tables.cells.has(ref) else None
     mcfg = model_config(spec, ps, vocab_size=train_data.vocab_size)
     clock = [time.process_time()]
-    state = {"stop": None}
+    state = {"stop": None, "why": None}
 
     def stops(point) -> bool:
-        return int(point["step"]) > 0 and copied(
-            float(point["gain"]), float(point["second"]), int(point["step"]),
-            fraction=args.stop_fraction,
-            reference_onset=ref_onset, is_reference=is_ref)  # fmt: skip
+        step = int(point["step"])
+        if step == 0:
+            return False
+        if copied(float(point["gain"]), float(point["second"]), step,
+                               fraction=args.stop_fraction, reference_onset=ref_onset,
+                               is_reference=is_ref):  # fmt: skip
+            state["why"] = "copied"
+        elif args.stop_at_target and not is_ref and past_target(step, reference_onset=ref_onset):
+            state["why"] = "target"
+        else:
+            return False
+        return True
 
     def record(model, step) -> bool:
         point = {**cell, "step": step}
@@ -305,7 +320,7 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
     last = curve[-1]
     return {
         **cell, "context": ps.context, "budget": ps.steps, "last_step": last["step"],
-        "stopped": "copied" if state["stop"] is not None else "budget",
+        "stopped": state["why"] if state["stop"] is not None else "budget",
         "onset": onset(curve) or "", "first": last["first"], "second": last["second"],
         "gain": last["gain"], "ablated_gain": last["ablated_gain"],
         "state_size": init.decode_state_size(ps.context), "params": init.num_parameters(),
@@ -316,6 +331,10 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
 def _settings_text(opts, args, settings) -> str:
     cli, const = settings["schedules"]["cli"], settings["schedules"]["constant"]
     m = settings["model"]
+    screening = ""
+    if args.stop_at_target:
+        screening = (". Screening (`--stop-at-target`): candidates stop at their first "
+                     "evaluation past 1.5× softmax's onset (`stopped: target`)")  # fmt: skip
     return (
         f"Model: {m['n_layer']} layer(s) × {m['n_embd']}, {m['n_head']} heads, chunk "
         f"{m['chunk_size']}; random-letter passages of d bytes recurring d tokens later in "
@@ -326,6 +345,6 @@ def _settings_text(opts, args, settings) -> str:
         f"{cli['warmup_steps']}, cosine to {cli['min_lr']} over the budget); `constant` = lr "
         f"{const['lr']} after {const['warmup_steps']} warm-up steps. Early stop at gain ≥ "
         f"{args.stop_fraction} × ln 26 with recurrence loss ≤ {1 - args.stop_fraction:.2f} × "
-        "ln 26 (others: also past 1.5× softmax's onset). CPU time: "
+        "ln 26 (others: also past 1.5× softmax's onset)" + screening + ". CPU time: "
         "process time of training, probing and diagnostics (one thread)."
     )

@@ -55,7 +55,7 @@ def _main_table(rows) -> str:
             "gain at end (step)", "ablated at end", "target")  # fmt: skip
     body = []
     for s in rows:
-        stop = "" if s["stopped"] == "budget" else ", stopped: copied"
+        stop = "" if s["stopped"] == "budget" else f", stopped: {s['stopped']}"
         ref_stop = "" if s["ref_stopped"] == "budget" else ", stopped"
         verdict = {True: "**yes**", False: "no", None: "-"}[s["passes"]]
         body.append((
@@ -203,8 +203,8 @@ def markdown(cells, curve, diag) -> str:
 
 def plot_grid(cells, curve, path):
     """Panel 1: each candidate cell's onset against softmax's (no onset drawn at the top, open
-    markers), with y = x and y = 1.5x; one panel per distance: recurrence loss vs step of
-    every run (softmax dashed)."""
+    markers; × at the step where a screening run stopped without one), with y = x and
+    y = 1.5x; one panel per distance: recurrence loss vs step of every run (softmax dashed)."""
     rows = summaries(cells, curve)
     distances = sorted({int(r["distance"]) for r in cells})
     fig, axes = subplots(1 + len(distances), ncols=min(3, 1 + len(distances)))
@@ -214,11 +214,14 @@ def plot_grid(cells, curve, path):
     for s in rows:
         if s["ref_onset"] is None:
             continue
-        y = s["onset"] if s["onset"] is not None else 1.08 * budget
-        hollow = s["onset"] is None
-        ax.scatter(s["ref_onset"], y, color=colors.get(s["schedule"], "k"),
-                   marker="^" if hollow else "o", facecolors="none" if hollow else None,
-                   s=18 + int(s["distance"]) / 40)  # fmt: skip
+        color, size = colors.get(s["schedule"], "k"), 18 + int(s["distance"]) / 40
+        if s["onset"] is not None:
+            ax.scatter(s["ref_onset"], s["onset"], color=color, marker="o", s=size)
+        elif s["stopped"] == "target":  # no onset up to its screening stop: not "none"
+            ax.scatter(s["ref_onset"], s["last_step"], color=color, marker="x", s=size)
+        else:
+            ax.scatter(s["ref_onset"], 1.08 * budget, color=color, marker="^",
+                       facecolors="none", s=size)  # fmt: skip
     top = 1.1 * budget
     ax.plot([0, top], [0, top], "k-", lw=0.8, label="y = x")
     ax.plot([0, top / 1.5], [0, top], "k--", lw=0.8, label="y = 1.5x")
@@ -228,7 +231,7 @@ def plot_grid(cells, curve, path):
     ax.set_xlim(0, top)
     ax.set_ylim(0, 1.15 * budget)
     ax.set_xlabel("softmax onset (step)")
-    ax.set_ylabel("candidate onset (step; ▲ = none)")
+    ax.set_ylabel("candidate onset (step; ▲ none, × none by its stop)")
     ax.legend(fontsize=6)
     for ax, d in zip(axes[1:], distances, strict=True):
         for r in (r for r in cells if int(r["distance"]) == d):
