@@ -257,8 +257,8 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         if step == 0:
             return False
         if copied(float(point["gain"]), float(point["second"]), step,
-                               fraction=args.stop_fraction, reference_onset=ref_onset,
-                               is_reference=is_ref):  # fmt: skip
+                  fraction=args.stop_fraction, reference_onset=ref_onset,
+                  is_reference=is_ref):  # fmt: skip
             state["why"] = "copied"
         elif args.stop_at_target and not is_ref and past_target(step, reference_onset=ref_onset):
             state["why"] = "target"
