@@ -554,6 +554,51 @@ def test_global_out_init_scales_only_the_global_branchs_output_projection():
                              "local_shared": True, "global_out_init": 0.0}).validate()  # fmt: skip
 
 
+def test_global_out_tied_starts_the_global_branchs_output_as_its_values_transposed():
+    """global_out_tied: the attention beside the window starts with W_o = c·W_vᵀ, c =
+    global_out_init / √(2 n_layer), every other weight as without it (the draw is the same);
+    each head's value–output circuit W_o,h W_v,h is then symmetric positive semidefinite."""
+    from polysketch.nn.resolve import config_options
+
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4, block_size=16,
+                 attention="soft_hash_far_local", map_kwargs={"num_features": 12})  # fmt: skip
+    base = dict(TransformerLM(TransformerConfig(**small)).named_parameters())
+    for scale in (1.0, 0.5):
+        model = TransformerLM(TransformerConfig(global_out_tied=True, global_out_init=scale,
+                                                **small))  # fmt: skip
+        assert model.spec.hybrid.out_tied
+        for name, p in model.named_parameters():
+            if ".attn.out_proj." not in name or "local_attn" in name:
+                torch.testing.assert_close(p, base[name], rtol=0, atol=0)
+        for blk in model.blocks:
+            attn = blk.attn
+            q_rows, k_rows, _ = attn._split
+            value = attn.qkv.weight[q_rows + k_rows :]
+            out = attn.out_proj.weight
+            torch.testing.assert_close(out, value.T * scale / (2 * 2) ** 0.5, rtol=0, atol=0)
+            for h in range(attn.num_heads):
+                rows = slice(h * attn.value_dim, (h + 1) * attn.value_dim)
+                circuit = (out[:, rows].double() @ value[rows].double()).detach()  # (E, E)
+                # c·AᵀA in fp64: symmetric and its eigenvalues >= 0 up to E · eps64 · ‖·‖
+                bound = float(16 * torch.finfo(torch.float64).eps * circuit.norm())
+                torch.testing.assert_close(circuit, circuit.T, rtol=0, atol=bound)
+                assert torch.linalg.eigvalsh(circuit).min() >= -bound
+    options = config_options("soft_hash_far_local:global_out_tied=True")
+    assert options["global_out_tied"] is True
+    spec = TransformerLM(TransformerConfig(global_out_tied=True, **small)).spec
+    assert spec.hybrid.to_dict()["out_tied"] is True
+    assert type(spec).from_dict(spec.to_dict()) == spec
+    default = TransformerLM(TransformerConfig(**small)).spec
+    assert "out_tied" not in default.to_dict()["hybrid"]  # older readers know every key
+    with pytest.raises(TypeError, match="global_out_tied"):
+        TransformerConfig(**{**small, "global_out_tied": "true"}).validate()
+    with pytest.raises(ValueError, match="global_out_tied .*needs local_window"):
+        TransformerConfig(attention="psf_random", global_out_tied=True).validate()
+    with pytest.raises(ValueError, match="global_out_tied=True with local_shared"):
+        TransformerConfig(**{**small, "attention": "soft_hash_far", "local_window": 4,
+                             "local_shared": True, "global_out_tied": True}).validate()  # fmt: skip
+
+
 @pytest.mark.parametrize("short_conv", [0, 3])
 def test_a_model_is_a_function_of_its_config_not_of_the_global_rng(short_conv):
     """Every parameter comes from ``config.seed`` (the short convolution's bias too): two

@@ -249,7 +249,9 @@ def resolve_model(config) -> ModelSpec:
     hybrid = None
     head_dim = config.n_embd // config.n_head
     if window is None:
-        for field_name in ("global_heads", "global_every", "global_rope", "global_out_init"):
+        global_fields = ("global_heads", "global_every", "global_rope", "global_out_init",
+                         "global_out_tied")  # fmt: skip
+        for field_name in global_fields:
             if getattr(config, field_name) is not None:
                 raise ValueError(_needs_window(field_name))
         if config.local_shared:
@@ -268,6 +270,9 @@ def resolve_model(config) -> ModelSpec:
             "shared": config.local_shared if config.local_shared is not None else base.shared,
             "out_init": (
                 config.global_out_init if config.global_out_init is not None else base.out_init
+            ),
+            "out_tied": (
+                config.global_out_tied if config.global_out_tied is not None else base.out_tied
             ),
         }
         hybrid = HybridSpec(window=window, value_fraction=base.value_fraction, **pick)
@@ -321,6 +326,8 @@ def _needs_window(field_name: str) -> str:
         "global_rope": "sets RoPE of the attention beside a sliding-window branch",
         "global_out_init": "scales the initial output projection of the attention beside a "
         "sliding-window branch",
+        "global_out_tied": "ties the initial output projection of the attention beside a "
+        "sliding-window branch to its values",
     }[field_name]
     return f"{field_name} {what}: it needs local_window"
 
@@ -329,7 +336,7 @@ def _needs_window(field_name: str) -> str:
 MODEL_KEYS = (
     "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
     "learn_balance", "window", "local_window", "local_shared", "global_heads", "global_every",
-    "global_rope", "global_out_init", "gradient_surrogate", "recompute",
+    "global_rope", "global_out_init", "global_out_tied", "gradient_surrogate", "recompute",
 )  # fmt: skip
 """Keys of a text spec that configure the model (``TransformerConfig``) rather than the map."""
 

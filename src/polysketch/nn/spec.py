@@ -209,8 +209,15 @@ class HybridSpec:
     the output projection. ``out_init``: the attention's output projection starts at
     ``out_init`` × the model's residual-output initialization (``TransformerLM._init_weights``;
     0: zero, so the attention adds nothing at step 0 and its value–output circuit starts
-    neutral; the window branch keeps the model's); 1 with ``shared``. A ``ModelSpec`` holds it
-    with ``heads`` and ``rope`` resolved.
+    neutral; the window branch keeps the model's); 1 with ``shared``. ``out_tied``: the
+    attention's output projection starts instead as its value projection transposed,
+    W_o = c·W_vᵀ with c = ``out_init`` / √(2·n_layer) (so its entries keep the drawn RMS):
+    each head's value–output circuit, the map x ↦ W_o,h W_v,h x of the residual stream, is then
+    c·W_v,hᵀ W_v,h, positive semidefinite at step 0, so a value read from a key raises the
+    residual's component along that key's own input (the value half of the mimetic
+    initialization, W_v W_o ≈ I, of Trockman & Kolter 2023, "Mimetic initialization of
+    self-attention layers"); False with ``shared``.
+    A ``ModelSpec`` holds it with ``heads`` and ``rope`` resolved.
     """
 
     window: int
@@ -220,6 +227,7 @@ class HybridSpec:
     value_fraction: float | None = None
     shared: bool = False
     out_init: float = 1.0
+    out_tied: bool = False
 
     def __post_init__(self):
         for name in ("window", "heads", "every"):
@@ -244,17 +252,27 @@ class HybridSpec:
                 f"global_out_init={scale!r} with local_shared=True: the branches share one "
                 "output projection, which cannot start at another scale for one of them"
             )
+        if not isinstance(self.out_tied, bool):
+            raise TypeError(f"global_out_tied must be a bool, got {self.out_tied!r}")
+        if self.shared and self.out_tied:
+            raise ValueError(
+                "global_out_tied=True with local_shared=True: the branches share one output "
+                "projection, which cannot start tied to one branch's values"
+            )
 
     def has_global(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` has the attention beside its window (``every``)."""
         return self.every is None or (layer_index + 1) % self.every == 0
 
     def to_dict(self) -> dict:
-        """The fields as a dict; ``out_init`` only where it is not 1 (a checkpoint that does
-        not use it stays readable by versions without the field)."""
+        """The fields as a dict; ``out_init`` only where it is not 1 and ``out_tied`` only
+        where it is True (a checkpoint that does not use them stays readable by versions
+        without the fields)."""
         out = asdict(self)
         if out["out_init"] == 1:
             del out["out_init"]
+        if not out["out_tied"]:
+            del out["out_tied"]
         return out
 
     @classmethod

@@ -112,6 +112,12 @@ class TransformerConfig:
         "this multiple of the residual-output initialization (0: zero; default: the model "
         "preset's, else 1)",
     )  # fmt: skip
+    global_out_tied: bool | None = documented(
+        None, help="the output projection of the attention beside the window branch starts as "
+        "its value projection transposed (× global_out_init / √(2 n_layer)), so each head's "
+        "value-output circuit starts positive semidefinite: a value read raises its key's own "
+        "input (default: the model preset's, else off)",
+    )  # fmt: skip
     recompute: bool = documented(
         True, help="the linear, mixed and window attentions recompute their features and "
         "scores in the backward pass instead of keeping them (memory ≈ softmax's; about one "
@@ -153,7 +159,7 @@ class TransformerConfig:
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
-        for name in ("qk_norm", "global_rope", "local_shared"):
+        for name in ("qk_norm", "global_rope", "local_shared", "global_out_tied"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
@@ -319,7 +325,9 @@ class TransformerLM(nn.Module):
     def _init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) for linears and embeddings, residual outputs / √(2 n_layer);
         the output projection of an attention beside a window branch then × its
-        ``HybridSpec.out_init`` (drawn first, so the other weights do not depend on it).
+        ``HybridSpec.out_init``, or with ``HybridSpec.out_tied`` replaced by its value
+        projection transposed × out_init / √(2 n_layer) (drawn first either way, so the other
+        weights do not depend on them).
 
         Drawn from a generator seeded with ``config.seed`` (reproducible models: nothing
         reads the global RNG); feature maps keep their own (seeded) initialization. A short
@@ -350,10 +358,16 @@ class TransformerLM(nn.Module):
             )
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
         hybrid = self.spec.hybrid
-        if hybrid is not None and hybrid.out_init != 1:
+        if hybrid is not None and (hybrid.out_init != 1 or hybrid.out_tied):
             for blk in self.blocks:
-                if blk.local_attn is not None:  # shared branches keep 1 (HybridSpec)
-                    blk.attn.out_proj.weight.mul_(hybrid.out_init)
+                if blk.local_attn is None:  # shared branches keep 1, untied (HybridSpec)
+                    continue
+                out = blk.attn.out_proj.weight
+                if hybrid.out_tied:
+                    q_rows, k_rows, _ = blk.attn._split
+                    value = blk.attn.qkv.weight[q_rows + k_rows :]  # (H·D_v, E)
+                    out.copy_(value.T / (2 * self.config.n_layer) ** 0.5)
+                out.mul_(hybrid.out_init)
 
     # ----- forward ---------------------------------------------------------------------------
     def _check_idx(self, idx: torch.Tensor, name: str = "idx", *, empty: bool = False):
