@@ -572,8 +572,9 @@ def test_global_out_tied_starts_the_global_branchs_output_as_its_values_transpos
                 torch.testing.assert_close(p, base[name], rtol=0, atol=0)
         for blk in model.blocks:
             attn = blk.attn
-            q_rows, k_rows, _ = attn._split
+            q_rows, k_rows, _ = attn._split  # q, k, v rows of qkv
             value = attn.qkv.weight[q_rows + k_rows :]
+            assert attn.value_weight().equal(value)
             out = attn.out_proj.weight
             torch.testing.assert_close(out, value.T * scale / (2 * 2) ** 0.5, rtol=0, atol=0)
             for h in range(attn.num_heads):
@@ -594,6 +595,10 @@ def test_global_out_tied_starts_the_global_branchs_output_as_its_values_transpos
         TransformerConfig(**{**small, "global_out_tied": "true"}).validate()
     with pytest.raises(ValueError, match="global_out_tied .*needs local_window"):
         TransformerConfig(attention="psf_random", global_out_tied=True).validate()
+    shared = {**small, "attention": "soft_hash_far", "local_window": 4, "local_shared": True}
+    shared = TransformerLM(TransformerConfig(**shared))
+    with pytest.raises(ValueError, match="no projections"):
+        shared.blocks[0].local_attn.value_weight()  # reads the attention's projections
     with pytest.raises(ValueError, match="global_out_tied=True with local_shared"):
         TransformerConfig(**{**small, "attention": "soft_hash_far", "local_window": 4,
                              "local_shared": True, "global_out_tied": True}).validate()  # fmt: skip

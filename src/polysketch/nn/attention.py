@@ -152,6 +152,13 @@ class KernelAttention(AttentionCore):
         self.k_norm = nn.LayerNorm(self.qk_dim) if self.spec.qk_norm else None
         self.rotary = RotaryEmbedding(self.qk_dim) if rope else None
 
+    def value_weight(self) -> torch.Tensor:
+        """The value rows of ``qkv``'s weight, (H·D_v, E): a view (writes reach ``qkv``).
+        ValueError for a layer without projections (a shared branch reads another's)."""
+        if self.qkv is None:
+            raise ValueError("this attention has no projections (projections=False)")
+        return self.qkv.weight[self._split[0] + self._split[1] :]
+
     def decode_state_size(self, seq_len: int) -> int:
         """Floats this layer's cache holds per sequence after ``seq_len`` tokens: the core's
         (``AttentionCore.decode_state_size``) plus, with a short convolution of K taps, the

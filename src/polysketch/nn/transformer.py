@@ -364,8 +364,7 @@ class TransformerLM(nn.Module):
                     continue
                 out = blk.attn.out_proj.weight
                 if hybrid.out_tied:
-                    q_rows, k_rows, _ = blk.attn._split
-                    value = blk.attn.qkv.weight[q_rows + k_rows :]  # (H·D_v, E)
+                    value = blk.attn.value_weight()  # (H·D_v, E)
                     out.copy_(value.T / (2 * self.config.n_layer) ** 0.5)
                 out.mul_(hybrid.out_init)
 
