@@ -336,6 +336,7 @@ class TransformerLM(nn.Module):
         """
         gen = make_generator(self.config.seed)
         std = 0.02
+        root = (2 * self.config.n_layer) ** 0.5  # residual outputs: std / root
         skip = {
             id(p)
             for blk in self.blocks
@@ -351,11 +352,7 @@ class TransformerLM(nn.Module):
                 continue
             if id(p) in skip or p.dim() < 2:
                 continue
-            scale = (
-                std / (2 * self.config.n_layer) ** 0.5
-                if name.endswith(("out_proj.weight", "ffn.down.weight"))
-                else std
-            )
+            scale = std / root if name.endswith(("out_proj.weight", "ffn.down.weight")) else std
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
         hybrid = self.spec.hybrid
         if hybrid is not None and (hybrid.out_init != 1 or hybrid.out_tied):
@@ -365,7 +362,7 @@ class TransformerLM(nn.Module):
                 out = blk.attn.out_proj.weight
                 if hybrid.out_tied:
                     value = blk.attn.value_weight()  # (H·D_v, E)
-                    out.copy_(value.T / (2 * self.config.n_layer) ** 0.5)
+                    out.copy_(value.T / root)  # entries' RMS: std / root, as drawn
                 out.mul_(hybrid.out_init)
 
     # ----- forward ---------------------------------------------------------------------------
