@@ -106,6 +106,7 @@ PRESET_SETTINGS = [
     ("positive", {"mixed": True}),
     ("soft_hash_local", {}),
     ("soft_hash_far_local", {}),
+    ("soft_hash_far_local_tied", {}),
 ]
 PRESET_IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in PRESET_SETTINGS]
 

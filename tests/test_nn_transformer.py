@@ -1,5 +1,7 @@
 """TransformerLM: causality, greedy generation == full forward, seeds, gradients, errors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -602,6 +604,32 @@ def test_global_out_tied_starts_the_global_branchs_output_as_its_values_transpos
     with pytest.raises(ValueError, match="global_out_tied=True with local_shared"):
         TransformerConfig(**{**small, "attention": "soft_hash_far", "local_window": 4,
                              "local_shared": True, "global_out_tied": True}).validate()  # fmt: skip
+
+
+def test_soft_hash_far_local_tied_is_the_tied_start_of_soft_hash_far_local():
+    """The successor preset is soft_hash_far_local with global_out_tied and nothing else: the
+    same spec but for ``out_tied``, the same weights but for the far branch's W_o; a config
+    field still wins over it (global_out_tied=False gives soft_hash_far_local's model)."""
+    small = dict(vocab_size=V, n_layer=2, n_head=2, n_embd=16, chunk_size=4, block_size=16,
+                 map_kwargs={"num_features": 12})  # fmt: skip
+    old = TransformerLM(TransformerConfig(attention="soft_hash_far_local", **small))
+    new = TransformerLM(TransformerConfig(attention="soft_hash_far_local_tied", **small))
+    tied = TransformerLM(TransformerConfig(attention="soft_hash_far_local", global_out_tied=True,
+                                           **small))  # fmt: skip
+    assert new.spec.hybrid.out_tied and not old.spec.hybrid.out_tied
+    assert new.spec == tied.spec
+    assert dataclasses.replace(new.spec, hybrid=old.spec.hybrid) == old.spec
+    untied = TransformerLM(TransformerConfig(attention="soft_hash_far_local_tied",
+                                             global_out_tied=False, **small))  # fmt: skip
+    assert untied.spec == old.spec
+    olds, ties, untieds = (dict(m.named_parameters()) for m in (old, tied, untied))
+    for name, p in new.named_parameters():
+        torch.testing.assert_close(p, ties[name], rtol=0, atol=0)
+        torch.testing.assert_close(untieds[name], olds[name], rtol=0, atol=0)
+        if ".attn.out_proj." not in name or "local_attn" in name:
+            torch.testing.assert_close(p, olds[name], rtol=0, atol=0)
+        else:
+            assert not torch.equal(p, olds[name])
 
 
 @pytest.mark.parametrize("short_conv", [0, 3])

@@ -204,5 +204,19 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         gradient_surrogate=50.0,
         chunk_size=64,
     ),
+    "soft_hash_far_local_tied": ModelPreset(
+        description=(
+            "soft_hash_far_local with the far branch's output projection starting as its "
+            "value projection transposed (global_out_tied: each head's value-output circuit "
+            "starts positive semidefinite, so the branch copies what it reads from step 0); "
+            "the same model, state and speed, another initialization"
+        ),
+        attention="soft_hash_far",
+        hybrid=HybridSpec(window=64, heads=1, value_fraction=29 / 32, out_tied=True),
+        gradient_surrogate=50.0,
+        chunk_size=64,
+    ),
 }
-"""Model preset name -> ``ModelPreset``."""
+"""Model preset name -> ``ModelPreset``. A preset whose settings change by measurement is stored
+under a new name (``soft_hash_far_local_tied`` after ``soft_hash_far_local``), so that a name
+keeps meaning what was measured of it."""

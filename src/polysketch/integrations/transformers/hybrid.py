@@ -1,10 +1,10 @@
 """A window branch beside a converted layer's attention: model presets in transformers models.
 
 The model presets (``polysketch.nn.MODEL_PRESETS``: ``soft_hash_local``,
-``soft_hash_far_local``) put an exact sliding-window softmax branch beside a linear-time
-attention in every layer of a ``TransformerLM``. A converted layer has one set of projections
-(the model's q/k/v/o and its RoPE), so it takes the *shared* form of that hybrid
-(``HybridSpec.shared``, ``polysketch.nn.transformer.Block``): for query head h,
+``soft_hash_far_local``, ``soft_hash_far_local_tied``) put an exact sliding-window softmax
+branch beside a linear-time attention in every layer of a ``TransformerLM``. A converted layer
+has one set of projections (the model's q/k/v/o and its RoPE), so it takes the *shared* form of
+that hybrid (``HybridSpec.shared``, ``polysketch.nn.transformer.Block``): for query head h,
 
     O_h = W_h + G_h        (then the model's o_proj, as for any converted layer)
 
@@ -33,6 +33,10 @@ Mapping a preset onto the model (``resolve_converted``):
 * **Values.** ``value_fraction`` (soft_hash_far_local's values of 29/32 the head dim) does
   not apply: the values are the model's own v of each head (its state per head is then
   F·(D + 1)).
+* **Initialization.** ``out_init`` and ``out_tied`` (soft_hash_far_local_tied's W_o starting as
+  W_vᵀ) set how a fresh ``TransformerLM`` draws its global branch's output projection; a
+  converted layer has no such projection of its own (the model's pretrained o_proj follows
+  both branches), so they do not apply and a preset carrying them converts as its untied form.
 * **Window, block, surrogate.** ``local_window`` (default: the preset's w), ``chunk_size``
   (default: the preset's block, else 64) and ``gradient_surrogate`` (λ, default: the
   preset's) override the preset's; the surrogate gradient acts only while autograd records
