@@ -17,7 +17,7 @@ exp(q·k/√D)) and offset 0, no norm; other maps (elu, taylor) no norm and offs
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..features import available, get_class
@@ -179,6 +179,20 @@ class ModelPreset:
         object.__setattr__(self, "map_kwargs", FrozenMap(self.map_kwargs))
 
 
+_SOFT_HASH_FAR_LOCAL = ModelPreset(
+    description=(
+        "long context with retrieval: one head of soft_hash_far per layer (F = 1920 "
+        "equal-norm buckets at initial temperature 10, reading the completed blocks "
+        "only; values of 29/32 the head dim) beside an exact sliding-window softmax "
+        "branch over the last 64 tokens, blocks of 64, trained with the surrogate "
+        "gradient at λ = 50 (exactly 0 in value)"
+    ),
+    attention="soft_hash_far",
+    hybrid=HybridSpec(window=64, heads=1, value_fraction=29 / 32),
+    gradient_surrogate=50.0,
+    chunk_size=64,
+)
+
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "soft_hash_local": ModelPreset(
         description=(
@@ -191,30 +205,16 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         map_kwargs={"num_features": 512, "temperature": 8.0},
         hybrid=HybridSpec(window=64, heads=1),
     ),
-    "soft_hash_far_local": ModelPreset(
-        description=(
-            "long context with retrieval: one head of soft_hash_far per layer (F = 1920 "
-            "equal-norm buckets at initial temperature 10, reading the completed blocks "
-            "only; values of 29/32 the head dim) beside an exact sliding-window softmax "
-            "branch over the last 64 tokens, blocks of 64, trained with the surrogate "
-            "gradient at λ = 50 (exactly 0 in value)"
-        ),
-        attention="soft_hash_far",
-        hybrid=HybridSpec(window=64, heads=1, value_fraction=29 / 32),
-        gradient_surrogate=50.0,
-        chunk_size=64,
-    ),
-    "soft_hash_far_local_tied": ModelPreset(
+    "soft_hash_far_local": _SOFT_HASH_FAR_LOCAL,
+    "soft_hash_far_local_tied": replace(
+        _SOFT_HASH_FAR_LOCAL,
         description=(
             "soft_hash_far_local with the far branch's output projection starting as its "
             "value projection transposed (global_out_tied: each head's value-output circuit "
             "starts positive semidefinite, so the branch copies what it reads from step 0); "
             "the same model, state and speed, another initialization"
         ),
-        attention="soft_hash_far",
-        hybrid=HybridSpec(window=64, heads=1, value_fraction=29 / 32, out_tied=True),
-        gradient_surrogate=50.0,
-        chunk_size=64,
+        hybrid=replace(_SOFT_HASH_FAR_LOCAL.hybrid, out_tied=True),
     ),
 }
 """Model preset name -> ``ModelPreset``. A preset whose settings change by measurement is stored
