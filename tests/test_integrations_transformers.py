@@ -105,7 +105,12 @@ def test_cached_decoding_equals_full_forward(family, attention):
     and cancel in its normalizer (Σ_j |s_ij| / |1 + Σ_j s_ij| reaches ~1.7e3 at random init in
     these models), so there both fp32 paths err by up to ~1e-3 of the largest logit, by turns;
     its fp32 decoding is held to the first-order bound κ γ_n at the op
-    (``test_ops_recurrent.py::test_fp32_decoding_is_within_rounding_of_fp64_however_...``)."""
+    (``test_ops_recurrent.py::test_fp32_decoding_is_within_rounding_of_fp64_however_...``).
+    The fp32 errors are compared in the Frobenius norm over the 27 × 64 logits: the max norm
+    reads one logit, whose two errors (decode, full forward) are independent roundings of a
+    few units of u·κ, so their ratio is a draw, not a property (under another summation order,
+    ``blas_noise``, psf_random's max-norm ratio reaches 2.8 in llama while its Frobenius ratio
+    stays 1.5)."""
     model = tiny(family)
     convert(model, attention, chunk_size=8)
     x = ids(t=27)
@@ -124,7 +129,7 @@ def test_cached_decoding_equals_full_forward(family, attention):
     assert (decode(exact) - full64).abs().max() <= 1e-10 * full64.abs().max()
     cores = [m.polysketch for m in model.modules() if hasattr(m, "polysketch")]
     if all(c.feature_map is None or c.feature_map.nonnegative for c in cores):
-        assert_as_accurate(decode(model), logits(model, x), full64)
+        assert_as_accurate(decode(model), logits(model, x), full64, norm="fro")
 
 
 def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
