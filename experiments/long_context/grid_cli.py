@@ -39,7 +39,7 @@ from .cli import add_common, guarded, header, out_dir
 from .global_init import split_outinit
 from .grid import CELL_KEY, SCHEDULES, copied, onset, past_target, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
-from .grid_report import markdown, plot_diag, plot_grid
+from .grid_report import markdown, plot_diag, plot_grid, settings_text
 from .linear_schedule import faded_linear, split_linear
 from .probe_training import ProbeSettings, model_config, run_label, train_model
 from .repeat_cli import probe_data
@@ -188,7 +188,7 @@ def _run(args, argv) -> int:
         tqdm.write(f"{_label(cell)}: onset {row['onset'] or 'none'}, gain {row['gain']:.3f} at "
                    f"step {row['last_step']} ({row['stopped']})")  # fmt: skip
     cpu = sum(float(r["cpu_s"]) for r in tables.cells.rows)
-    extra = [_settings_text(opts, args, settings)]
+    extra = [settings_text(settings)]
     md = header("Copy-probe robustness grid (issue 44)", argv, cpu_s=cpu, extra=extra)
     md += "\n" + markdown(tables.cells.rows, tables.curve.rows, tables.diag.rows)
     (out / "grid.md").write_text(md)
@@ -326,25 +326,3 @@ def _run_cell(cell, ps: ProbeSettings, data, tables, opts, args, runs) -> dict:
         "state_size": init.decode_state_size(ps.context), "params": init.num_parameters(),
         "train_s": train_s, "cpu_s": sum(float(p["cpu_s"]) for p in curve),
     }  # fmt: skip
-
-
-def _settings_text(opts, args, settings) -> str:
-    cli, const = settings["schedules"]["cli"], settings["schedules"]["constant"]
-    m = settings["model"]
-    screening = ""
-    if args.stop_at_target:
-        screening = (". Screening (`--stop-at-target`): candidates stop at their first "
-                     "evaluation past 1.5× softmax's onset (`stopped: target`)")  # fmt: skip
-    return (
-        f"Model: {m['n_layer']} layer(s) × {m['n_embd']}, {m['n_head']} heads, chunk "
-        f"{m['chunk_size']}; random-letter passages of d bytes recurring d tokens later in "
-        f"windows of 2d. Budget {opts['steps']} steps; evaluations at step 0 and every "
-        f"{opts['probe_every']} steps on {opts['val_windows']} held-out windows per seed "
-        f"(diagnostics every {opts['diagnose_every']} steps on {args.diagnose_windows}). "
-        f"Schedules: `cli` = `polysketch train`'s defaults (lr {cli['lr']}, warmup "
-        f"{cli['warmup_steps']}, cosine to {cli['min_lr']} over the budget); `constant` = lr "
-        f"{const['lr']} after {const['warmup_steps']} warm-up steps. Early stop at gain ≥ "
-        f"{args.stop_fraction} × ln 26 with recurrence loss ≤ {1 - args.stop_fraction:.2f} × "
-        "ln 26 (others: also past 1.5× softmax's onset)" + screening + ". CPU time: "
-        "process time of training, probing and diagnostics (one thread)."
-    )

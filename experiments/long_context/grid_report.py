@@ -16,7 +16,7 @@ from polysketch.eval.plots import save_png, subplots
 from .grid import CELL_KEY, LN26, ONSET_LOSS, cell_summary
 from .report import fmt, markdown_table
 
-__all__ = ["summaries", "markdown", "plot_grid"]
+__all__ = ["summaries", "markdown", "plot_grid", "settings_text"]
 
 REFERENCE = "softmax"
 GROUP = ("distance", "schedule", "batch_size", "seed")
@@ -156,6 +156,30 @@ def _diag_table(rows, diag) -> str:
                     _values(r),
                 ))  # fmt: skip
     return markdown_table(head, body) + "\n" if body else "(no diagnostics yet)\n"
+
+
+def settings_text(settings: dict) -> str:
+    """The paragraph of model, budget, evaluations and schedules of a grid's settings (the
+    ``grid.settings.json`` every table of one grid shares)."""
+    cli, const = settings["schedules"]["cli"], settings["schedules"]["constant"]
+    m, stop = settings["model"], settings["stop_fraction"]
+    screening = ""
+    if settings.get("stop_at_target"):
+        screening = (". Screening (`--stop-at-target`): candidates stop at their first "
+                     "evaluation past 1.5× softmax's onset (`stopped: target`)")  # fmt: skip
+    return (
+        f"Model: {m['n_layer']} layer(s) × {m['n_embd']}, {m['n_head']} heads, chunk "
+        f"{m['chunk_size']}; random-letter passages of d bytes recurring d tokens later in "
+        f"windows of 2d. Budget {settings['steps']} steps; evaluations at step 0 and every "
+        f"{settings['probe_every']} steps on {settings['val_windows']} held-out windows per "
+        f"seed (diagnostics every {settings['diagnose_every']} steps on "
+        f"{settings['diagnose_windows']}). Schedules: `cli` = `polysketch train`'s defaults "
+        f"(lr {cli['lr']}, warmup {cli['warmup_steps']}, cosine to {cli['min_lr']} over the "
+        f"budget); `constant` = lr {const['lr']} after {const['warmup_steps']} warm-up steps. "
+        f"Early stop at gain ≥ {stop} × ln 26 with recurrence loss ≤ {1 - stop:.2f} × ln 26 "
+        "(others: also past 1.5× softmax's onset)" + screening + ". CPU time: process time "
+        "of training, probing and diagnostics (one thread)."
+    )
 
 
 def markdown(cells, curve, diag) -> str:
