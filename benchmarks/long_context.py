@@ -13,6 +13,7 @@ Sub-commands (``python benchmarks/long_context.py CMD --help``):
   timing      seconds per training step of the planned model sizes, per attention
   grid        the copy probe over distances × schedules × batch sizes × seeds (issue 44):
               softmax's onset, a candidate's gain at 1.5× it and at the budget, ablated
+  grid-collect  one grid's tables and report from cells measured into several folders
 
 The experiments live in ``experiments/long_context/`` (the repository root goes on
 ``sys.path``).
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/
 
 from experiments.long_context import (  # noqa: E402
     grid_cli,
+    grid_collect_cli,
     mqar_cli,
     positions_cli,
     repeat_cli,
@@ -43,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli, grid_cli):
+    modules = (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli, grid_cli,
+               grid_collect_cli)  # fmt: skip
+    for module in modules:
         module.register(sub)
     return parser
 

@@ -53,11 +53,16 @@ def command_line(argv) -> str:
     return "python benchmarks/long_context.py " + shlex.join(args)
 
 
-def header(title: str, argv, *, cpu_s: float, extra: list[str] = (), resumable: bool = True) -> str:
+def header(
+    title: str, argv, *, cpu_s: float, extra: list[str] = (), resumable: bool = True,
+    rows_cpu: bool | None = None,
+) -> str:  # fmt: skip
     """The markdown header: title, command, threads and CPU time (of the CSV's rows, or of
-    this run when the output is not a resumable table)."""
+    this run when the output is not a resumable table; ``rows_cpu`` overrides: a table
+    gathered from others reports its rows' CPU time without being resumable)."""
     note = " (add `--reuse` to continue a stopped run)" if resumable else ""
-    what = "of the rows in the CSV" if resumable else "of this run"
+    rows_cpu = resumable if rows_cpu is None else rows_cpu
+    what = "of the rows in the CSV" if rows_cpu else "of this run"
     lines = [
         f"# {title}",
         "",
