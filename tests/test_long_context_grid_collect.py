@@ -96,7 +96,11 @@ def test_collect_refuses_what_it_cannot_merge(grids, capsys):
         writer.writeheader()
         writer.writerows(cells)
     argv = [*base, "--from", str(grids / "s0"), str(twice), "--out", str(grids / "y")]
+    unfinished = _rows(twice / "grid_curve.csv")[-1]  # a seed still training: no cell row
+    with open(twice / "grid_curve.csv", "a", newline="") as f:
+        csv.DictWriter(f, list(unfinished)).writerow({**unfinished, "seed": "7"})
     assert long_context.main(argv) == 0  # the same measurements, another CPU time
+    assert "7" not in {r["seed"] for r in _rows(grids / "y" / "grid_curve.csv")}
     cells[0]["gain"] = str(float(cells[0]["gain"]) + 0.5)
     with open(twice / "grid.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, list(cells[0]))

@@ -16,6 +16,8 @@ per setting, the plots), training nothing:
   such alias;
 - a cell in two folders (softmax's rows copied beside a candidate) must hold the same
   measurements in both (timings aside) or it is refused.
+- evaluations and diagnostics of a run without its ``grid.csv`` row (still in progress) are
+  left out, so the report and plots show finished cells only.
 """
 
 from __future__ import annotations
@@ -156,8 +158,12 @@ def collect(sources, attentions) -> tuple[dict, dict[str, list[dict]], dict]:
                         f"and {folder} with different {differ}: one cell measured twice"
                     )
         order = [REFERENCE, *[w for w in wanted if w != REFERENCE]]
+        rows = found.values()
+        if file != "grid.csv":  # a run still in progress has evaluations but no cell yet
+            cells = {tuple(str(r[c]) for c in CELL_KEY) for r in merged["grid.csv"]}
+            rows = [r for r in rows if tuple(str(r[c]) for c in CELL_KEY) in cells]
         merged[file] = sorted(
-            found.values(),
+            rows,
             key=lambda r: (r["distance"], r["schedule"], r["batch_size"], r["seed"],
                            order.index(r["attention"]), *(r[c] for c in key[len(CELL_KEY):])),
         )  # fmt: skip
