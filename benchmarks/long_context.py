@@ -37,6 +37,8 @@ from experiments.long_context import (  # noqa: E402
     timing_cli,
 )
 
+from polysketch import hold_freed_memory  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    hold_freed_memory()  # training steps reuse their pages (polysketch._malloc), as the CLI's
     args = build_parser().parse_args(argv)
     return args.run(args, argv)
 

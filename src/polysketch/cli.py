@@ -14,6 +14,7 @@ import pkgutil
 import sys
 
 from . import __version__, commands
+from ._malloc import hold_freed_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,9 @@ def _suggestion(parser: argparse.ArgumentParser, extra: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen command."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen command (glibc's malloc set
+    to keep freed memory for the process first: ``polysketch._malloc``)."""
+    hold_freed_memory()
     parser = build_parser()
     args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if extra:  # a typo'd flag: the command's own usage, not the top-level one

@@ -33,6 +33,7 @@ import torch
 
 from ..._checks import check_choice, check_positive_int
 from ..._files import write_csv
+from ..._malloc import holds_freed_memory
 from ...nn import TransformerConfig, TransformerLM
 from ...nn.resolve import config_options, parse_attention, preset_chunk_size
 from ..plots import log_axes, save_png, subplots
@@ -304,7 +305,8 @@ def format_model_report(result: dict) -> str:
         f"TransformerLM training steps on {cfg.device} "
         f"({result.get('threads', torch.get_num_threads())} threads): "
         f"{cfg.n_layer} layers x {cfg.n_embd}, {cfg.n_head} heads, chunk {_chunks(cfg)}, "
-        f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}"
+        f"B={cfg.batch}, amp={cfg.amp or 'off (fp32)'}, compile={cfg.compile or 'off'}, "
+        f"malloc {'holding freed memory' if holds_freed_memory() else 'as the system sets it'}"
         + (
             f", {cfg.rounds} interleaved rounds (x softmax: median of per-round ratios)"
             if cfg.rounds > 1
