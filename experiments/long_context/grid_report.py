@@ -252,10 +252,13 @@ def plot_grid(cells, curve, path):
     ax.axhline(budget, color="grey", lw=0.5)
     for name, c in colors.items():
         ax.scatter([], [], color=c, label=f"schedule {name}")
+    ax.scatter([], [], color="grey", marker="^", facecolors="none", label="no onset (drawn on top)")
+    ax.scatter([], [], color="grey", marker="x", label="no onset by its stop")
     ax.set_xlim(0, top)
     ax.set_ylim(0, 1.15 * budget)
+    ax.set_title("onsets (marker size: distance)", fontsize=8)
     ax.set_xlabel("softmax onset (step)")
-    ax.set_ylabel("candidate onset (step; ▲ none, × none by its stop)")
+    ax.set_ylabel("candidate onset (step)")
     ax.legend(fontsize=6)
     for ax, d in zip(axes[1:], distances, strict=True):
         for r in (r for r in cells if int(r["distance"]) == d):
