@@ -147,6 +147,26 @@ def test_resume_warns_about_each_flag_it_ignores(tmp_path, corpus, capsys):
     assert state["train_config"]["lr"] == 0.001
 
 
+def test_resume_applies_recompute_and_changes_no_number(tmp_path, corpus, capsys):
+    """--no-recompute with --resume applies (memory against time) and changes no number: the
+    run resumed without recomputation ends with the weights, bit for bit, of the same run
+    resumed as it was saved (recomputing)."""
+    kept, switched = tmp_path / "kept", tmp_path / "switched"
+    for out in (kept, switched):
+        assert _train(corpus, out) == 0  # 2 steps, recomputing (the default)
+    capsys.readouterr()
+    resume = ["train", "--resume", "--steps", "4", "--no-progress", "--out"]
+    assert main([*resume, str(kept)]) == 0
+    assert main([*resume, str(switched), "--no-recompute"]) == 0
+    assert "warning:" not in capsys.readouterr().err
+    a = load_checkpoint(kept / "ckpt.pt", restore_rng=False)
+    b = load_checkpoint(switched / "ckpt.pt", restore_rng=False)
+    assert a["model_config"]["recompute"] is True and b["model_config"]["recompute"] is False
+    assert a["step"] == b["step"] == 4 and a["model"].keys() == b["model"].keys()
+    for name, weight in a["model"].items():
+        assert torch.equal(weight, b["model"][name]), name
+
+
 def test_a_crashed_save_leaves_no_temporary_behind_the_next_start(tmp_path, corpus):
     out = tmp_path / "run"
     assert _train(corpus, out) == 0

@@ -8,7 +8,8 @@ Writes ``metrics.csv``, ``metrics.jsonl`` and the checkpoint ``ckpt.pt`` into ``
 non-empty ``--out`` is refused unless ``--resume`` (continue its run) or ``--overwrite``
 (replace it). ``--resume`` continues from the checkpoint exactly: configs and data source
 come from it (a model, data or optimization flag given with ``--resume`` is ignored, with a
-warning); ``--steps`` may extend the run, ``--device`` and ``--compile`` apply. Under
+warning); ``--steps`` may extend the run, ``--device``, ``--compile`` and ``--[no-]recompute``
+(memory against time, the same arithmetic) apply. Under
 ``torchrun --nproc_per_node=N -m polysketch train ...`` it trains data-parallel (DDP);
 ``--batch-size`` is the global batch. ``--cp C`` splits every sequence over C of the N
 processes (context parallelism; dp = N / C, a ``("dp", "cp")`` DeviceMesh) and ``--fsdp``
@@ -34,6 +35,7 @@ from .._files import temporary_pattern
 from ..data.corpus import load_corpus
 from ..data.mqar import MQARConfig
 from ..nn import TransformerConfig, TransformerLM, valid_model_attentions
+from ..nn.transformer import EXECUTION_FIELDS
 from ..train import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -49,7 +51,7 @@ from ._flags import add_config_flags, given, read_config
 
 __all__ = ["add_parser", "run", "load_data", "default_warmup", "ERROR_EXIT", "RESUME_OVERRIDES"]
 
-RESUME_OVERRIDES = ("steps", "device", "compile", "cp", "fsdp")
+RESUME_OVERRIDES = ("steps", "device", "compile", "cp", "fsdp", *sorted(EXECUTION_FIELDS))
 """The configuration ``--resume`` takes from the flags (besides ``--out``, ``--no-progress``);
 every other option is the checkpoint's, and one given is warned about."""
 
@@ -208,7 +210,9 @@ def _configs_from_checkpoint(args):
                          "configs from its checkpoint")  # fmt: skip
     state = load_checkpoint(path, restore_rng=False)
     try:
-        model_config = TransformerConfig(**state["model_config"]).validate()
+        # --[no-]recompute applies: it trades memory for time, the gradients are the same
+        stored = {**state["model_config"], **given(args, EXECUTION_FIELDS)}
+        model_config = TransformerConfig(**stored).validate()
         names = {f.name for f in fields(TrainConfig)}
         tc = {k: v for k, v in state["train_config"].items() if k in names}
         source = state["metadata"]["source"]

@@ -39,7 +39,11 @@ from .short_conv import ShortConv
 from .spec import ModelSpec
 from .warm_start import set_exact_attention as _set_exact_attention
 
-__all__ = ["TransformerConfig", "TransformerLM", "GLU"]
+__all__ = ["TransformerConfig", "TransformerLM", "GLU", "EXECUTION_FIELDS"]
+
+EXECUTION_FIELDS = frozenset({"recompute"})
+"""``TransformerConfig`` fields that choose memory against time, not the model's arithmetic
+(values and gradients are the same either way): a resumed run may change them."""
 
 
 @dataclass

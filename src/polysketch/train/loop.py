@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from .._checks import check_positive_int
 from ..data.corpus import Corpus
 from ..nn import TransformerConfig, TransformerLM
+from ..nn.transformer import EXECUTION_FIELDS
 from . import distributed, mesh
 from .batches import (
     CorpusBatches,
@@ -477,8 +478,12 @@ class _Run:
         ``CheckpointError`` when the checkpoint does not fit this run."""
         if "rng" in state:
             set_rng_state(state["rng"])
-        saved = stored_model_config(state.get("model_config", {}))
-        if saved != stored_model_config(self.model_config):  # a field added since: its default
+        def arithmetic(config) -> dict:  # execution choices (recompute) may change on resume
+            stored = stored_model_config(config)
+            return {k: v for k, v in stored.items() if k not in EXECUTION_FIELDS}
+
+        saved = arithmetic(state.get("model_config", {}))
+        if saved != arithmetic(self.model_config):  # a field added since: its default
             raise CheckpointError(
                 f"checkpoint {ckpt_path}: model_config differs from the checkpoint's "
                 "model_config (resume takes the checkpoint's)"
