@@ -22,6 +22,11 @@ from polysketch.integrations.transformers import (  # noqa: E402
     polysketch_settings,
     trainable_attention_parameters,
 )
+from polysketch.integrations.transformers.convert import _generate_cache_key  # noqa: E402
+
+CACHE = _generate_cache_key()
+"""The keyword a transformers forward/generate takes its cache by (``past_key_values`` before
+5.24, ``cache`` from it; the old one is deprecated)."""
 
 V = 64
 FAMILIES = ["llama", "qwen2", "mistral", "gpt_neox", "gpt2"]
@@ -118,9 +123,9 @@ def test_cached_decoding_equals_full_forward(family, attention):
     def decode(m):
         cache = PolysketchCache(m)
         with torch.no_grad():
-            parts = [m(input_ids=x[:, :5], past_key_values=cache, use_cache=True).logits]
+            parts = [m(input_ids=x[:, :5], **{CACHE: cache}, use_cache=True).logits]
             for i in range(5, x.shape[1]):
-                parts.append(m(input_ids=x[:, i : i + 1], past_key_values=cache).logits)
+                parts.append(m(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits)
         assert cache.get_seq_length() == x.shape[1]
         return torch.cat(parts, dim=1)
 
@@ -144,9 +149,9 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     assert torch.equal(full[:, :13], logits(model, y)[:, :13])
     cache = PolysketchCache(model)
     with torch.no_grad():
-        parts = [model(input_ids=x[:, :10], past_key_values=cache).logits]
+        parts = [model(input_ids=x[:, :10], **{CACHE: cache}).logits]
         parts += [
-            model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)
+            model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)
         ]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     with pytest.raises(ValueError, match="mixed"):
@@ -170,9 +175,9 @@ def test_mixed_form_with_hedgehog_takes_the_local_degree_and_decodes():
     assert torch.equal(full[:, :13], logits(model, y)[:, :13])
     cache = PolysketchCache(model)
     with torch.no_grad():
-        parts = [model(input_ids=x[:, :10], past_key_values=cache).logits]
+        parts = [model(input_ids=x[:, :10], **{CACHE: cache}).logits]
         parts += [
-            model(input_ids=x[:, i : i + 1], past_key_values=cache).logits for i in range(10, 27)
+            model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)
         ]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     plain = tiny("llama")
@@ -231,7 +236,7 @@ def test_generate_uses_constant_size_state():
         cache = PolysketchCache(model)
         with torch.no_grad():
             model.generate(ids(t=4), attention_mask=torch.ones(2, 4, dtype=torch.long),
-                           max_new_tokens=n, do_sample=False, past_key_values=cache,
+                           max_new_tokens=n, do_sample=False, **{CACHE: cache},
                            pad_token_id=0)  # fmt: skip
         sizes.append(cache.num_floats())
         assert cache.get_seq_length() == 4 + n - 1  # the last token is never fed back
