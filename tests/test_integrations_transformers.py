@@ -150,9 +150,7 @@ def test_mixed_form_with_a_learnable_map_is_causal_and_decodes():
     cache = PolysketchCache(model)
     with torch.no_grad():
         parts = [model(input_ids=x[:, :10], **{CACHE: cache}).logits]
-        parts += [
-            model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)
-        ]
+        parts += [model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     with pytest.raises(ValueError, match="mixed"):
         convert(model, "softmax", mixed=True)
@@ -176,9 +174,7 @@ def test_mixed_form_with_hedgehog_takes_the_local_degree_and_decodes():
     cache = PolysketchCache(model)
     with torch.no_grad():
         parts = [model(input_ids=x[:, :10], **{CACHE: cache}).logits]
-        parts += [
-            model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)
-        ]
+        parts += [model(input_ids=x[:, i : i + 1], **{CACHE: cache}).logits for i in range(10, 27)]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
     plain = tiny("llama")
     convert(plain, "hedgehog", chunk_size=8)
