@@ -18,7 +18,8 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 # Training steps of the preset whose activations churn most (one layer at T = 2048: its
 # 2048 × 1920 bucket probabilities are 15 MiB each): the minor page faults of the last four of
-# eight steps, after the heap has reached its peak.
+# twelve steps, after the heap has reached its peak (held, it may still grow in the first few
+# steps, the later the more processes share the machine).
 _STEPS = r"""
 import json, resource, sys, torch
 import polysketch
@@ -30,11 +31,11 @@ model = TransformerLM(TransformerConfig(vocab_size=64, block_size=2048, n_layer=
                                         n_embd=64, attention="soft_hash_far_local_tied"))
 idx = torch.randint(0, 64, (1, 2048))
 faults = []
-for _ in range(8):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model(idx, targets=idx)[1].backward()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"held": held, "faults": sum(faults[4:])}))
+print(json.dumps({"held": held, "faults": sum(faults[8:])}))
 """
 
 PAGES_PER_TENSOR = 2048 * 1920 * 4 // 4096  # one 2048 × 1920 fp32 tensor
@@ -54,10 +55,11 @@ def _run(mode: str) -> dict:
 def test_held_thresholds_reuse_the_pages_of_the_step_before():
     held = _run("hold")
     assert held["held"] is True
-    # held: the four steps reuse the heap's pages (not one 15 MiB tensor faulted in again)
-    assert held["faults"] < PAGES_PER_TENSOR, held
-    system = _run("system")  # glibc's defaults: several such tensors faulted in every step
-    assert system["faults"] > 4 * PAGES_PER_TENSOR, system
+    # held: the four steps reuse the heap's pages; at most a late growth of the heap (seen up
+    # to about one such tensor under load), not several tensors faulted in again every step
+    assert held["faults"] < 2 * PAGES_PER_TENSOR, held
+    system = _run("system")  # glibc's defaults: four or more such tensors every step
+    assert system["faults"] > 8 * PAGES_PER_TENSOR, system
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only (mallopt)")
