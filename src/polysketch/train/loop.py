@@ -478,6 +478,7 @@ class _Run:
         ``CheckpointError`` when the checkpoint does not fit this run."""
         if "rng" in state:
             set_rng_state(state["rng"])
+
         def arithmetic(config) -> dict:  # execution choices (recompute) may change on resume
             stored = stored_model_config(config)
             return {k: v for k, v in stored.items() if k not in EXECUTION_FIELDS}
