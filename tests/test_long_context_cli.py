@@ -4,9 +4,11 @@ import csv
 
 import long_context
 import pytest
+import torch
 
+from polysketch.eval import mqar_sweep
 from polysketch.nn import TransformerConfig
-from polysketch.train import TrainConfig, train
+from polysketch.train import TrainConfig, load_model, train
 
 SMOKE = {
     "retrieval": ["--attentions", "softmax", "psf_random", "hedgehog", "taylor"],
@@ -143,6 +145,29 @@ def test_mqar_estimate_projects_a_run(tmp_path):
             "--attentions", "softmax"]  # fmt: skip
     assert long_context.main(argv) == 0
     assert "hours for" in (out / "estimate.md").read_text()
+
+
+def test_mqar_save_models_keeps_each_trained_model(tmp_path):
+    """``--save-models DIR``: each run's last stage leaves a checkpoint that loads back as the
+    model it scored (the same validation loss); the curriculum screen's stage is recorded."""
+    out, saved = tmp_path / "cur", tmp_path / "models"
+    argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--out", str(out),
+            "--attentions", "taylor:qk_dim=4", "--lrs", "0.003",
+            "--save-models", str(saved)]  # fmt: skip
+    assert long_context.main(argv) == 0
+    (row,) = _rows(out / "mqar.csv")
+    assert row["setting"] == "curriculum256" and row["curriculum_accuracy"].startswith("T16:")
+    run = saved / mqar_sweep.run_name("taylor:qk_dim=4", 0.003)
+    assert run.name == "taylor_qk_dim=4_lr0.003"
+    model, state = load_model(run / "ckpt.pt", device="cpu")
+    assert model.config.attention == "taylor" and model.config.qk_dim == 4
+    assert state["step"] == int(row["steps"])
+    settings = {**mqar_sweep.QUICK, "seq_len": 32, "num_kv_pairs": 2, "min_distance": 16}
+    data = mqar_sweep.make_data(settings, seed=0)
+    with torch.no_grad():  # the whole validation set (64 rows) is the run's one evaluation
+        loss = float(model(data.val_inputs, data.val_targets)[1])
+    # the same float32 sums batched otherwise: eps 1.2e-7 × a few hundred terms
+    assert loss == pytest.approx(float(row["val_loss"]), rel=1e-4)
 
 
 def test_mqar_curriculum_setting_reports_each_stage(tmp_path):

@@ -93,7 +93,7 @@ def test_min_distance_puts_every_query_far_from_its_key():
 
 
 def test_long_mqar_settings_reach_past_every_local_window():
-    for name in ("long", "long512", "long_curriculum"):
+    for name in ("long", "long512", "long_curriculum", "curriculum256"):
         s, attentions = mqar_sweep.SETTINGS[name]
         assert s["min_distance"] >= s["seq_len"] // 2 > 64  # psf_mixed's block: the chunk
         MQARConfig(
@@ -117,6 +117,13 @@ def test_curriculum_stages_follow_the_settings_and_bad_stages_are_refused():
     # the T = 256 stage already keeps its answers past a 64-token window
     assert stages[-1]["min_distance"] > 64
     assert mqar_sweep.curriculum_settings(mqar_sweep.LONG) == []
+    # the screen: the first stage, then the second as the task at half its steps
+    screen = mqar_sweep.CURRICULUM_256
+    assert mqar_sweep.curriculum_settings(screen) == stages[:1]
+    seq_len, min_distance, pairs, steps = s["curriculum"][1]
+    assert (screen["seq_len"], screen["min_distance"], screen["num_kv_pairs"]) == (
+        seq_len, min_distance, pairs)  # fmt: skip
+    assert screen["steps"] == steps // 2
     for bad in (
         (64, 0, 8),
         (64, 0, 8, -1),

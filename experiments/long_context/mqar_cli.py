@@ -3,7 +3,8 @@
 Every query lies at least ``min_distance`` tokens after its key (``MQARConfig.min_distance``),
 farther than any exact local window of the attentions compared, so recall must come from the
 global part. The sweep is ``polysketch.eval.mqar_sweep``'s (``--setting long``: T = 1024,
-``long512``: T = 512; Zoology's larger settings are the reference, see ``LONG``), one
+``long512``: T = 512, ``long_curriculum``: T = 1024 through shorter stages, ``curriculum256``:
+its screen; Zoology's larger settings are the reference, see ``LONG``), one
 attention at a time so that ``--reuse`` continues a stopped table; the plot has the axes of
 the README's MQAR plot (recall accuracy vs decode state at T). ``--estimate`` times a few
 training steps per attention instead and projects the CPU time of a full run.
@@ -30,7 +31,9 @@ KEY = ("attention", "lr")
 def register(subparsers) -> None:
     p = subparsers.add_parser("mqar", help="long-range MQAR: recall vs decode state")
     add_common(p, "mqar")
-    p.add_argument("--setting", choices=("long", "long512", "long_curriculum"), default="long")
+    p.add_argument(
+        "--setting", default="long", choices=("long", "long512", "long_curriculum", "curriculum256")
+    )
     p.add_argument("--attentions", nargs="+", default=None, help="(default: the setting's)")
     p.add_argument("--lrs", type=float, nargs="+", default=None)
     for key in ("seq_len", "num_kv_pairs", "min_distance", "steps", "batch_size", "num_train"):
@@ -41,6 +44,13 @@ def register(subparsers) -> None:
         help="time --estimate-steps steps per attention and project a full run",
     )
     p.add_argument("--estimate-steps", type=int, default=2)
+    p.add_argument(
+        "--save-models",
+        default=None,
+        metavar="DIR",
+        help="write each trained model's checkpoint and metrics to DIR/<attention>_lr<lr>/ "
+        "(for diagnostics; default: none)",
+    )
     p.set_defaults(run=lambda args, argv: guarded(_run, args, argv))
 
 
@@ -49,7 +59,7 @@ def _settings(args) -> tuple[dict, list[str]]:
     s = dict(base)
     if args.smoke:
         s = {**ms.QUICK, "seq_len": 32, "num_kv_pairs": 2, "min_distance": 16, "steps": 2}
-        if args.setting == "long_curriculum":
+        if base.get("curriculum"):
             s["curriculum"] = ((16, 0, 2, 2),)
         attentions = SMOKE_ATTENTIONS
     for key in ("seq_len", "num_kv_pairs", "min_distance", "steps", "batch_size", "num_train"):
@@ -104,7 +114,8 @@ def _run(args, argv) -> int:
             if table.has({"attention": spec, "lr": lr}):
                 continue
             (row,) = ms.run_sweep([spec], settings=settings, lrs=[lr], seed=args.seed,
-                                  progress=not args.no_progress)  # fmt: skip
+                                  progress=not args.no_progress,
+                                  save_dir=args.save_models)  # fmt: skip
             row.update(
                 setting=args.setting,
                 seq_len=settings["seq_len"],

@@ -23,6 +23,7 @@ q/k for ``taylor``; short convolutions as in BASED / Zoology's models) at a CPU 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,10 +44,12 @@ __all__ = [
     "LONG",
     "LONG_512",
     "LONG_CURRICULUM",
+    "CURRICULUM_256",
     "LONG_ATTENTIONS",
     "SETTINGS",
     "MODEL_KEYS",
     "parse_attention",
+    "run_name",
     "best_rows",
     "make_data",
     "model_config_for",
@@ -137,6 +140,20 @@ schedule (``train(init_weights=...)``), and the task itself is the last stage
 the T = 256 stage keeps every query 128 tokens from its key, past a 64-token window, so a
 local branch cannot answer it either. d_model 64 (``LONG``: 128) halves the cost."""
 
+CURRICULUM_256 = {
+    **LONG_CURRICULUM,
+    "seq_len": 256,
+    "min_distance": 128,
+    "num_kv_pairs": 8,
+    "steps": 1500,
+    "curriculum": LONG_CURRICULUM["curriculum"][:1],
+}
+"""``--setting curriculum256``: a screen for ``long_curriculum``. Its first stage (T = 64,
+1,500 steps), then its second (T = 256, 8 pairs, every query ≥ 128 tokens after its key, so
+past a 64-token window) as the task, at half that stage's steps: about a third of
+``long_curriculum``'s cost. An attention that does not learn this recall will not learn the
+T = 1,024 task that follows it; one that learns it still has to be run on ``long_curriculum``."""
+
 LONG_ATTENTIONS = (
     "softmax",
     "taylor:qk_dim=16",
@@ -158,6 +175,7 @@ SETTINGS = {
     "long": (LONG, LONG_ATTENTIONS),
     "long512": (LONG_512, LONG_ATTENTIONS),
     "long_curriculum": (LONG_CURRICULUM, LONG_ATTENTIONS),
+    "curriculum256": (CURRICULUM_256, LONG_ATTENTIONS),
 }
 """``--setting`` name -> (sizes, default attentions)."""
 
@@ -182,6 +200,7 @@ def run_sweep(
     lrs: Sequence[float] | None = None,
     log=print,
     on_row=None,
+    save_dir=None,
 ) -> list[dict]:
     """Train and score one model per attention (and learning rate); returns rows with the
     ``COLUMNS`` keys, one per run (``best_rows`` picks the best learning rate of each).
@@ -190,7 +209,9 @@ def run_sweep(
     ``FULL`` (data sizes, model size, steps, batch, lr, short_conv). ``lrs``: learning rates
     to sweep (None: ``settings["lr"]`` only). ``on_row``: called with the list of rows so
     far after every run (``polysketch mqar`` rewrites its CSV there, so a long sweep that is
-    stopped keeps the runs it finished).
+    stopped keeps the runs it finished). ``save_dir``: each trained model's checkpoint and
+    metrics go to ``save_dir/run_name(attention, lr)/`` (``train_one``'s ``out_dir``), for
+    diagnostics after the sweep; None saves nothing.
     """
     s = {**FULL, **(settings or {})}
     if not attentions:
@@ -203,9 +224,10 @@ def run_sweep(
     rows = []
     for (label, name, model_opts, map_kwargs), lr in ((a, x) for a in specs for x in lrs):
         t0 = time.perf_counter()
+        out_dir = None if save_dir is None else Path(save_dir) / run_name(label, lr)
         history = train_one(
             name, data, settings=s, lr=lr, model_options=model_opts, map_kwargs=map_kwargs,
-            seed=seed, device=device, progress=progress,
+            seed=seed, device=device, progress=progress, out_dir=out_dir,
         )  # fmt: skip
         model, val = history["model"], history["val"][-1]
         row = {
@@ -231,6 +253,14 @@ def run_sweep(
                 f"state {row['state_size']:,} floats  ({row['train_s']:.1f} s)"
             )
     return rows
+
+
+def run_name(attention: str, lr: float) -> str:
+    """A folder name for one run of the sweep: the attention spec with every character but
+    letters, digits, ``.``, ``=`` and ``-`` as ``_``, then ``_lr`` and the learning rate
+    (``taylor:qk_dim=16``, 0.003 -> ``taylor_qk_dim=16_lr0.003``)."""
+    safe = "".join(c if c.isalnum() or c in ".=-" else "_" for c in attention)
+    return f"{safe}_lr{lr:g}"
 
 
 def curriculum_settings(settings: dict) -> list[dict]:
@@ -311,6 +341,7 @@ def train_one(
     seed: int = 0,
     device: str | None = None,
     progress: bool = False,
+    out_dir=None,
 ) -> dict:
     """Train one ``TransformerLM`` on ``data`` as the sweep does; returns ``train``'s history
     (``history["model"]`` the trained model, ``history["val"][-1]`` its final scores).
@@ -320,6 +351,8 @@ def train_one(
     one's weights; ``history["curriculum"]`` holds each stage's final validation row (with
     its ``seq_len``). ``model_options``: ``TransformerConfig`` fields that override them
     (qk_dim, ...). The model's ``block_size`` is ``data``'s length, the longest stage's.
+    ``out_dir``: the last stage writes its checkpoint (``ckpt.pt``, ``polysketch.train.
+    load_model`` reads it) and metrics there (``TrainConfig.out_dir``); None writes nothing.
     """
     seq_len = data.train_inputs.shape[1]
     model_config = model_config_for(
@@ -333,8 +366,10 @@ def train_one(
                         progress=progress, init_weights=weights)  # fmt: skip
         weights = history["model"].state_dict()
         stages.append({"seq_len": stage["seq_len"], **history["val"][-1]})
-    history = train(model_config, _train_config(settings, lr, seed, device, seq_len), data,
-                    progress=progress, init_weights=weights)  # fmt: skip
+    last = _train_config(settings, lr, seed, device, seq_len)
+    if out_dir is not None:
+        last = dataclasses.replace(last, out_dir=str(out_dir))
+    history = train(model_config, last, data, progress=progress, init_weights=weights)
     history["curriculum"] = stages
     return history
 
