@@ -10,6 +10,7 @@ Sub-commands (``python benchmarks/long_context.py CMD --help``):
               the counterfactual and the global-part ablation; also the softmax budget
   positions   loss by position bucket on long documents; extrapolation past the train length
   mqar        long-range MQAR: every query farther from its key than any exact local window
+  mqar-diagnose  what saved MQAR models' soft-hash far branches see (weight on the answer)
   timing      seconds per training step of the planned model sizes, per attention
   grid        the copy probe over distances × schedules × batch sizes × seeds (issue 44):
               softmax's onset, a candidate's gain at 1.5× it and at the budget, ablated
@@ -31,6 +32,7 @@ from experiments.long_context import (  # noqa: E402
     grid_cli,
     grid_collect_cli,
     mqar_cli,
+    mqar_diagnose_cli,
     positions_cli,
     repeat_cli,
     retrieval_cli,
@@ -47,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = (retrieval_cli, repeat_cli, positions_cli, mqar_cli, timing_cli, grid_cli,
-               grid_collect_cli)  # fmt: skip
+    modules = (retrieval_cli, repeat_cli, positions_cli, mqar_cli, mqar_diagnose_cli,
+               timing_cli, grid_cli, grid_collect_cli)  # fmt: skip
     for module in modules:
         module.register(sub)
     return parser

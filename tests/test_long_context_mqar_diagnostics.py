@@ -1,0 +1,76 @@
+"""experiments/long_context/mqar_diagnostics.py and ``long_context.py mqar-diagnose``."""
+
+import csv
+
+import long_context
+import pytest
+import torch
+from experiments.long_context.mqar_diagnostics import answers, pair_scores
+
+from polysketch.data.mqar import IGNORE_INDEX, MQARConfig, make_mqar
+from polysketch.eval import mqar_sweep
+
+
+def _one_hot(buckets, f=4):
+    return torch.nn.functional.one_hot(torch.tensor(buckets), f).float()
+
+
+def test_pair_scores_read_the_source_among_the_far_keys():
+    # keys 0..7 in buckets; the query (position 6) sits in bucket 0 with keys 0 and 1
+    phi_k = _one_hot([0, 0, 2, 1, 3, 3, 0, 0])
+    phi_q = _one_hot([1, 1, 1, 1, 1, 1, 0, 1])
+    far = torch.zeros(8, 8, dtype=torch.bool)
+    far[6, :4] = True  # position 6 reads keys 0-3 only (keys 6, 7 share its bucket, unread)
+    got = pair_scores(phi_q, phi_k, p=6, a=0, num_kv_pairs=2, far=far)  # source: key 1
+    assert got == {"source_weight": 0.5, "values_weight": 0.5, "source_top": 1.0}
+    got = pair_scores(phi_q, phi_k, p=6, a=1, num_kv_pairs=2, far=far)  # source: key 3
+    assert got == {"source_weight": 0.0, "values_weight": 0.5, "source_top": 0.0}
+    # a tie between the source and another value is not a win
+    phi_k = _one_hot([2, 0, 2, 0, 3, 3, 0, 0])
+    assert pair_scores(phi_q, phi_k, p=6, a=0, num_kv_pairs=2, far=far)["source_top"] == 0.0
+
+
+def test_answers_find_each_query_s_pair():
+    x, y = make_mqar(MQARConfig(vocab_size=64, seq_len=64, num_kv_pairs=4, min_distance=16),
+                     8, seed=3)  # fmt: skip
+    found = answers(x, y, 4)
+    assert len(found) == int((y != IGNORE_INDEX).sum())
+    for b, p, a in found:
+        assert x[b, p] == x[b, 2 * a] and y[b, p] == x[b, 2 * a + 1]
+
+
+def test_mqar_diagnose_reads_saved_models(tmp_path):
+    """A soft-hash far model trained by ``mqar --save-models`` is diagnosed per layer on its
+    own validation set (the recall equals its run's); a model without a far branch gets no
+    row and is named."""
+    saved, out = tmp_path / "models", tmp_path / "diag"
+    specs = ["soft_hash_far_local_tied:chunk_size=8", "softmax"]
+    argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--out",
+            str(tmp_path / "mqar"), "--lrs", "0.003", "--save-models", str(saved),
+            "--attentions", *specs]  # fmt: skip
+    assert long_context.main(argv) == 0
+    with open(tmp_path / "mqar" / "mqar.csv", newline="") as f:
+        recall = {r["attention"]: float(r["accuracy"]) for r in csv.DictReader(f)}
+    ckpts = [saved / mqar_sweep.run_name(s, 0.003) / "ckpt.pt" for s in specs]
+    num_val = mqar_sweep.QUICK["num_val"]
+    argv = ["mqar-diagnose", "--smoke", "--setting", "curriculum256", "--examples",
+            str(num_val), "--out", str(out), *map(str, ckpts)]  # fmt: skip
+    assert long_context.main(argv) == 0
+    with open(out / "mqar_diagnose.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["layer"]) for r in rows] == [0, 1]
+    for r in rows:
+        assert float(r["accuracy"]) == pytest.approx(recall[specs[0]], abs=1e-9)
+        for name in ("source_weight", "values_weight", "source_top"):
+            assert 0.0 <= float(r[name]) <= 1.0
+        assert float(r["source_weight"]) <= float(r["values_weight"]) + 1e-6
+        assert 1.0 <= float(r["q_buckets"]) <= 1920  # between one bucket and the F of the map
+    assert "No soft-hash far branch (no rows): softmax_lr0.003" in (
+        out / "mqar_diagnose.md").read_text()  # fmt: skip
+
+
+def test_mqar_diagnose_refuses_bad_options(tmp_path, capsys):
+    assert long_context.main(["mqar-diagnose", "--examples", "0", "x.pt"]) == 2
+    assert "--examples must be >= 1" in capsys.readouterr().err
+    assert long_context.main(["mqar-diagnose", str(tmp_path / "missing.pt")]) == 2
+    assert "error:" in capsys.readouterr().err
