@@ -65,7 +65,7 @@ def test_mqar_diagnose_reads_saved_models(tmp_path):
             assert 0.0 <= float(r[name]) <= 1.0
         assert float(r["source_weight"]) <= float(r["values_weight"]) + 1e-6
         assert 1.0 <= float(r["q_buckets"]) <= 1920  # between one bucket and the F of the map
-    assert "No soft-hash far branch (no rows): softmax_lr0.003" in (
+    assert "No soft-hash far branch (no rows): models/softmax_lr0.003" in (
         out / "mqar_diagnose.md").read_text()  # fmt: skip
 
 

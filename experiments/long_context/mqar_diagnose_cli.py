@@ -36,7 +36,8 @@ def register(subparsers) -> None:
     )
     add_common(p, "mqar_diagnose")
     p.add_argument("checkpoints", nargs="+", metavar="CKPT",
-                   help="ckpt.pt files written by `mqar --save-models`")  # fmt: skip
+                   help="ckpt.pt files written by `mqar --save-models` (each row names its "
+                   "folder and the one above it)")  # fmt: skip
     p.add_argument("--setting", default="curriculum256",
                    choices=("long", "long512", "long_curriculum", "curriculum256"),
                    help="the MQAR setting the models were trained on")  # fmt: skip
@@ -60,7 +61,7 @@ def _run(args, argv) -> int:
         model, _ = load_model(path, device="cpu")
         if model.config.vocab_size < data.vocab_size or model.config.block_size < inputs.shape[1]:
             raise ValueError(f"{path}: its model does not fit the --setting's sequences")
-        name = path.parent.name
+        name = f"{path.parent.parent.name}/{path.parent.name}"  # DIR/<attention>_lr<lr>
         found = diagnose_mqar(model, inputs, targets, settings["num_kv_pairs"])
         if not found:
             skipped.append(name)
