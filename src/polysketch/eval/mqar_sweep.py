@@ -154,8 +154,8 @@ past a 64-token window) as the task, with that stage's data, schedule and steps:
 compares with the ``T256`` stage recall a ``long_curriculum`` run of the same seed and
 learning rate records, without the T = 1,024 task (about two-thirds of its cost on a CPU). In
 every run so far an attention's recall after this stage bounded its recall on the task after
-it; one that learns it still has to be run on ``long_curriculum``. At half the steps (``--steps 1500``) neither
-BASED nor the long-context preset had learned it yet
+it; one that learns it still has to be run on ``long_curriculum``. At half the steps
+(``--steps 1500``) neither BASED nor the long-context preset had learned it yet
 (``docs/results/long_context/mqar_screen256/``)."""
 
 LONG_ATTENTIONS = (
