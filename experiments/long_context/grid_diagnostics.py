@@ -66,8 +66,8 @@ import torch
 from polysketch.features.soft_hash import SoftHashFeatureMap
 
 __all__ = [
-    "DIAG_COLUMNS", "diagnose", "global_branches", "far_keys", "source_weights", "source_cosines",
-    "source_values",
+    "DIAG_COLUMNS", "diagnose", "global_branches", "branch_features", "far_keys", "source_weights",
+    "source_cosines", "source_values",
 ]  # fmt: skip
 
 DIAG_COLUMNS = (
@@ -195,6 +195,20 @@ def _captured(attn, store: dict, *, output: bool = False):
         del attn.attend
 
 
+def branch_features(block, store: dict) -> tuple:
+    """(heads, q, k, all_q, all_k, phi_q, phi_k) of a block's soft-hash global branch from the q
+    and k its core attended with (``store`` as ``_captured`` filled it, (B, H, T, D)): its
+    per-head maps, every feature of the map (``all_*``, the linear term included) and the
+    bucket probabilities alone (``phi_*``)."""
+    fm = block.attn.feature_map
+    heads = _soft_hash_heads(fm)
+    q, k = store["q"], store["k"]
+    with torch.no_grad():
+        all_q, all_k = fm.query(q), fm.key(k)
+    f = heads[0].num_features
+    return heads, q, k, all_q, all_k, all_q[..., :f], all_k[..., :f]
+
+
 def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log()).sum(-1)
 
@@ -291,13 +305,7 @@ def diagnose(model, windows, distance: int, *, num_windows: int = 2, queries: in
         model.train(was_training)
     rows = []
     for layer, block in branches:
-        fm = block.attn.feature_map
-        heads = _soft_hash_heads(fm)
-        q, k = stores[layer]["q"], stores[layer]["k"]  # (B, H, T, D)
-        with torch.no_grad():
-            all_q, all_k = fm.query(q), fm.key(k)
-        f = heads[0].num_features
-        phi_q, phi_k = all_q[..., :f], all_k[..., :f]  # the buckets (no linear term)
+        heads, q, k, all_q, all_k, phi_q, phi_k = branch_features(block, stores[layer])
         far = far_keys(windows.inputs.shape[1], chunk[layer])
         src = positions - distance
         qs = positions[far[positions, src] & far[positions, src + 1]]

@@ -35,7 +35,7 @@ import torch
 
 from polysketch.data.mqar import IGNORE_INDEX
 
-from .grid_diagnostics import _captured, _far_chunk, _soft_hash_heads, far_keys, global_branches
+from .grid_diagnostics import _captured, _far_chunk, branch_features, far_keys, global_branches
 
 __all__ = ["MQAR_DIAG_COLUMNS", "answers", "pair_scores", "diagnose_mqar"]
 
@@ -103,13 +103,7 @@ def diagnose_mqar(model, inputs, targets, num_kv_pairs: int) -> list[dict]:
     values = torch.arange(num_kv_pairs) * 2 + 1
     rows = []
     for layer, block in branches:
-        fm = block.attn.feature_map
-        heads = _soft_hash_heads(fm)
-        q, k = stores[layer]["q"], stores[layer]["k"]  # (B, H, T, D)
-        with torch.no_grad():
-            phi_q, phi_k = fm.query(q), fm.key(k)
-        f = heads[0].num_features
-        phi_q, phi_k = phi_q[..., :f], phi_k[..., :f]  # the buckets (no linear term)
+        heads, q, k, _, _, phi_q, phi_k = branch_features(block, stores[layer])
         far = far_keys(inputs.shape[1], _far_chunk(block.attn))
         qn, kn = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
         acc = {c: [] for c in MQAR_DIAG_COLUMNS[2:-1]}
