@@ -39,10 +39,10 @@ def test_answers_find_each_query_s_pair():
         assert x[b, p] == x[b, 2 * a] and y[b, p] == x[b, 2 * a + 1]
 
 
-def test_mqar_diagnose_reads_saved_models(tmp_path):
+def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     """A soft-hash far model trained by ``mqar --save-models`` is diagnosed per layer on its
     own validation set (the recall equals its run's); a model without a far branch gets no
-    row and is named."""
+    row and is named; a model shorter than another setting's sequences is refused."""
     saved, out = tmp_path / "models", tmp_path / "diag"
     specs = ["soft_hash_far_local_tied:chunk_size=8", "softmax"]
     argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--out",
@@ -67,6 +67,13 @@ def test_mqar_diagnose_reads_saved_models(tmp_path):
         assert 1.0 <= float(r["q_buckets"]) <= 1920  # between one bucket and the F of the map
     assert "No soft-hash far branch (no rows): models/softmax_lr0.003" in (
         out / "mqar_diagnose.md").read_text()  # fmt: skip
+    capsys.readouterr()
+    argv = ["mqar-diagnose", "--setting", "long_curriculum", "--examples", "1", "--out",
+            str(tmp_path / "too_long"), str(ckpts[0])]  # fmt: skip
+    # the smoke model's vocabulary and block are smaller than T = 1,024's setting needs
+    assert long_context.main(argv) == 2
+    assert "does not fit the --setting's sequences" in capsys.readouterr().err
+    assert not (tmp_path / "too_long" / "mqar_diagnose.csv").exists()
 
 
 def test_mqar_diagnose_refuses_bad_options(tmp_path, capsys):
