@@ -44,7 +44,7 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     own validation set (the recall equals its run's); a model without a far branch gets no
     row and is named; a model shorter than another setting's sequences is refused."""
     saved, out = tmp_path / "models", tmp_path / "diag"
-    specs = ["soft_hash_far_local_tied:chunk_size=8", "softmax"]
+    specs = ["soft_hash_far_local_tied:chunk_size=8,global_heads=2", "softmax"]
     argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--out",
             str(tmp_path / "mqar"), "--lrs", "0.003", "--save-models", str(saved),
             "--attentions", *specs]  # fmt: skip
@@ -58,7 +58,7 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     assert long_context.main(argv) == 0
     with open(out / "mqar_diagnose.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["layer"]) for r in rows] == [0, 1]
+    assert [(int(r["layer"]), r["head"]) for r in rows] == [(0, "mean"), (1, "mean")]
     for r in rows:
         assert float(r["accuracy"]) == pytest.approx(recall[specs[0]], abs=1e-9)
         for name in ("source_weight", "values_weight", "source_top"):
@@ -67,6 +67,21 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
         assert 1.0 <= float(r["q_buckets"]) <= 1920  # between one bucket and the F of the map
     assert "No soft-hash far branch (no rows): models/softmax_lr0.003" in (
         out / "mqar_diagnose.md").read_text()  # fmt: skip
+    # --per-head: a row per layer and head, each head with its own map; their means over the
+    # heads are the layer's row (every head sees the same answers)
+    heads_out = tmp_path / "heads"
+    argv = ["mqar-diagnose", "--smoke", "--setting", "curriculum256", "--per-head",
+            "--examples", str(num_val), "--out", str(heads_out), str(ckpts[0])]  # fmt: skip
+    assert long_context.main(argv) == 0
+    with open(heads_out / "mqar_diagnose.csv", newline="") as f:
+        heads = list(csv.DictReader(f))
+    assert [(int(r["layer"]), r["head"]) for r in heads] == [(0, "0"), (0, "1"), (1, "0"), (1, "1")]
+    for layer, row in enumerate(rows):
+        pair = heads[2 * layer : 2 * layer + 2]
+        assert pair[0]["tau"] != pair[1]["tau"] or pair[0]["q_buckets"] != pair[1]["q_buckets"]
+        for name in ("tau", "q_buckets", "k_buckets", "source_weight", "source_top"):
+            mean = (float(pair[0][name]) + float(pair[1][name])) / 2
+            assert mean == pytest.approx(float(row[name]), rel=1e-5, abs=1e-9), name
     capsys.readouterr()
     argv = ["mqar-diagnose", "--setting", "long_curriculum", "--examples", "1", "--out",
             str(tmp_path / "too_long"), str(ckpts[0])]  # fmt: skip

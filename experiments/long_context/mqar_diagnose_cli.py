@@ -43,6 +43,8 @@ def register(subparsers) -> None:
                    help="the MQAR setting the models were trained on")  # fmt: skip
     p.add_argument("--examples", type=int, default=32,
                    help="validation sequences diagnosed (default 32)")  # fmt: skip
+    p.add_argument("--per-head", action="store_true",
+                   help="a row per layer and head (default: the mean over its heads)")  # fmt: skip
     for key in ("seq_len", "num_kv_pairs", "min_distance", "steps", "batch_size", "num_train"):
         p.set_defaults(**{key: None})
     p.set_defaults(attentions=None, run=lambda args, argv: guarded(_run, args, argv))
@@ -62,7 +64,9 @@ def _run(args, argv) -> int:
         if model.config.vocab_size < data.vocab_size or model.config.block_size < inputs.shape[1]:
             raise ValueError(f"{path}: its model does not fit the --setting's sequences")
         name = f"{path.parent.parent.name}/{path.parent.name}"  # DIR/<attention>_lr<lr>
-        found = diagnose_mqar(model, inputs, targets, settings["num_kv_pairs"])
+        found = diagnose_mqar(
+            model, inputs, targets, settings["num_kv_pairs"], per_head=args.per_head
+        )
         if not found:
             skipped.append(name)
         rows += [{"run": name, **row} for row in found]

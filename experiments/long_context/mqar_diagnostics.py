@@ -8,7 +8,8 @@ covers the key before it): its *source*. For a ``TransformerLM`` whose blocks ha
 global branch beside a window (``grid_diagnostics.global_branches``), with q_p, k_j the branch's
 queries and keys as its core receives them (after the q/k LayerNorm and RoPE), φ the map's
 bucket probabilities and s_pj = φq(q_p)·φk(k_j) (the buckets only, no linear term), per
-layer, mean over answers and heads:
+layer, mean over answers and heads (``head`` = "mean"), or per layer and head (``per_head``:
+``head`` = h, each head with its own map, τ and keys):
 
 * ``tau``: the map's temperature τ; ``q_buckets``, ``k_buckets``: exp of the entropy of an
   answer's query distribution and of a context value-key's (1 = one bucket, F = uniform);
@@ -40,8 +41,8 @@ from .grid_diagnostics import _captured, _far_chunk, branch_features, far_keys, 
 __all__ = ["MQAR_DIAG_COLUMNS", "answers", "pair_scores", "diagnose_mqar"]
 
 MQAR_DIAG_COLUMNS = (
-    "layer", "tau", "q_buckets", "k_buckets", "source_weight", "values_weight", "source_top",
-    "source_cos", "other_cos", "value_key_cos", "accuracy",
+    "layer", "head", "tau", "q_buckets", "k_buckets", "source_weight", "values_weight",
+    "source_top", "source_cos", "other_cos", "value_key_cos", "accuracy",
 )  # fmt: skip
 
 
@@ -78,10 +79,10 @@ def _entropy_exp(p: torch.Tensor) -> torch.Tensor:
     return (-(p * p.clamp_min(1e-30).log()).sum(-1)).exp()
 
 
-def diagnose_mqar(model, inputs, targets, num_kv_pairs: int) -> list[dict]:
-    """One dict of ``MQAR_DIAG_COLUMNS`` per layer with a soft-hash global branch (module
-    docstring) on MQAR ``inputs`` / ``targets`` (N, T); [] for any other model. The model's
-    train/eval mode is left as found."""
+def diagnose_mqar(model, inputs, targets, num_kv_pairs: int, per_head: bool = False) -> list[dict]:
+    """One dict of ``MQAR_DIAG_COLUMNS`` per layer with a soft-hash global branch, or per layer
+    and head with ``per_head`` (module docstring), on MQAR ``inputs`` / ``targets`` (N, T); []
+    for any other model. The model's train/eval mode is left as found."""
     branches = global_branches(model)
     if not branches:
         return []
@@ -101,34 +102,42 @@ def diagnose_mqar(model, inputs, targets, num_kv_pairs: int) -> list[dict]:
     mask = targets != IGNORE_INDEX
     accuracy = float((logits.argmax(-1)[mask] == targets[mask]).float().mean())
     values = torch.arange(num_kv_pairs) * 2 + 1
+    off = ~torch.eye(num_kv_pairs, dtype=torch.bool)
     rows = []
     for layer, block in branches:
         heads, q, k, _, _, phi_q, phi_k = branch_features(block, stores[layer])
         far = far_keys(inputs.shape[1], _far_chunk(block.attn))
         qn, kn = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-        acc = {c: [] for c in MQAR_DIAG_COLUMNS[2:-1]}
+        n_heads = q.shape[1]
+        acc = [{c: [] for c in MQAR_DIAG_COLUMNS[3:-1]} for _ in range(n_heads)]
         for b, p, a in found:
             if not bool(far[p, values].all()):
                 continue
-            for h in range(q.shape[1]):
+            for h in range(n_heads):
                 for name, v in pair_scores(phi_q[b, h], phi_k[b, h], p, a, num_kv_pairs,
                                            far).items():  # fmt: skip
-                    acc[name].append(v)
+                    acc[h][name].append(v)
                 cos = kn[b, h, values] @ qn[b, h, p]
-                acc["source_cos"].append(float(cos[a]))
-                acc["other_cos"].append(float((cos.sum() - cos[a]) / max(num_kv_pairs - 1, 1)))
-                acc["q_buckets"].append(float(_entropy_exp(phi_q[b, h, p])))
-        if not acc["source_weight"]:
+                acc[h]["source_cos"].append(float(cos[a]))
+                acc[h]["other_cos"].append(float((cos.sum() - cos[a]) / max(num_kv_pairs - 1, 1)))
+                acc[h]["q_buckets"].append(float(_entropy_exp(phi_q[b, h, p])))
+        if not acc[0]["source_weight"]:
             raise ValueError(f"no answer has its source among layer {layer}'s far keys")
         kv = kn[:, :, values]  # (B, H, n, D): the context's value keys
-        gram = kv @ kv.transpose(-1, -2)
-        off = ~torch.eye(num_kv_pairs, dtype=torch.bool)
-        rows.append({
-            "layer": layer,
-            "tau": sum(m.temperature for m in heads) / len(heads),
-            **{name: sum(v) / len(v) for name, v in acc.items() if v},
-            "k_buckets": float(_entropy_exp(phi_k[:, :, values]).mean()),
-            "value_key_cos": float(gram[..., off].mean()) if num_kv_pairs > 1 else 1.0,
-            "accuracy": accuracy,
-        })  # fmt: skip
+        gram = (kv @ kv.transpose(-1, -2))[..., off]  # (B, H, n(n - 1))
+        k_buckets = _entropy_exp(phi_k[:, :, values])  # (B, H, n)
+        taus = [m.temperature for m in heads]
+        groups = [(h, [h]) for h in range(n_heads)] if per_head else [("mean", range(n_heads))]
+        for head, hs in groups:
+            merged = {name: [v for h in hs for v in acc[h][name]] for name in acc[0]}
+            rows.append({
+                "layer": layer,
+                "head": head,
+                # one map for every head, or one per head (``_soft_hash_heads``)
+                "tau": taus[head] if per_head and len(taus) == n_heads else sum(taus) / len(taus),
+                **{name: sum(v) / len(v) for name, v in merged.items() if v},
+                "k_buckets": float(k_buckets[:, list(hs)].mean()),
+                "value_key_cos": float(gram[:, list(hs)].mean()) if num_kv_pairs > 1 else 1.0,
+                "accuracy": accuracy,
+            })  # fmt: skip
     return rows
