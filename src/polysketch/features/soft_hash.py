@@ -87,6 +87,24 @@ has turned away from; with c > 1 every key keeps a score of at least α (c − 1
 (c = 1) by default; what it changes in the copy probe is in
 ``docs/results/long_context/grid/``.
 
+**Informative buckets** (``bucket_balance = β > 0``, training only): a regularizer on how
+much a bucket says about which token of the sequence it holds. For the T rows p_t = φ(x_t) of
+one sequence (the buckets only, not the linear term), with ū = (1/T) Σ_t p_t the buckets'
+usage,
+
+    I = H(ū) − (1/T) Σ_t H(p_t),        L_bal = β (log F − I) ∈ [0, β log F],            (7)
+
+I being the mutual information between a token drawn from the sequence and its bucket. It is
+largest (log F) when every token is sure of its bucket and the buckets are used equally, and 0
+both when all tokens share one distribution (the collapse onto one bucket that
+``docs/results/long_context/mqar_screen256/`` diagnoses in the heads that fail to retrieve)
+and when every distribution is uniform, so that the loss cannot be met by softening τ. Queries
+and keys each add their L_bal (per head and per sequence, averaged over the batch); it changes
+no output: ``polysketch._auxiliary.add_auxiliary_loss`` back-propagates it beside the features
+whenever autograd records them (so under ``torch.no_grad`` it costs nothing). It is computed
+over the tokens the map sees in one call (a rank's shard under context parallelism; padded
+positions count). Off (β = 0) by default.
+
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
@@ -101,11 +119,12 @@ import math
 import torch
 from torch import nn
 
+from .._auxiliary import add_auxiliary_loss
 from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
 from .base import FeatureMap, Hyperparameter, register
 
-__all__ = ["SoftHashFeatureMap", "product_softmax", "unit_directions"]
+__all__ = ["SoftHashFeatureMap", "information_deficit", "product_softmax", "unit_directions"]
 
 
 def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
@@ -118,6 +137,19 @@ def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
     for p in parts[1:]:  # (..., F_so_far) ⊗ (..., B) -> (..., F_so_far · B)
         phi = (phi.unsqueeze(-1) * p.unsqueeze(-2)).flatten(-2)
     return phi
+
+
+def information_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
+    """log F − I of Eq. 7 for the bucket logits (..., T, m·B) of sequences of T tokens: -> (...,),
+    in float32; F = B^m and the rows are the product distributions of Eq. 3."""
+    logits = logits.float()
+    log_p = logits.unflatten(-1, (factors, -1)).log_softmax(-1)  # (..., T, m, B)
+    token_entropy = -(log_p.exp() * log_p).sum((-1, -2)).mean(-1)  # Σ_i H(φ_i) = H(p_t)
+    usage = product_softmax(logits, factors).mean(-2)  # ū: (..., F)
+    tiny = torch.finfo(usage.dtype).tiny
+    usage_entropy = -(usage * usage.clamp_min(tiny).log()).sum(-1)
+    num_features = usage.shape[-1]
+    return math.log(num_features) - (usage_entropy - token_entropy)
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -153,6 +185,8 @@ class SoftHashFeatureMap(FeatureMap):
         linear_offset: c ≥ 1 (with linear_weight > 0): the linear features are
             √(α/(1 + c))·(√c, x/‖x‖) and the score gains α(c + cos(q, k))/(1 + c) ≥
             α(c − 1)/(1 + c) (Eq. 6); c = 1 (default) is Eq. 5.
+        bucket_balance: β ≥ 0; β > 0 back-propagates the training-only loss β(log F − I) of
+            Eq. 7 for queries and for keys (the features' values do not change).
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
             Normalized linear attention does not depend on it; in mixed attention
             (``mixed=True``) it weighs the far blocks against the exact local ones, and with
@@ -174,6 +208,7 @@ class SoftHashFeatureMap(FeatureMap):
         "temperature_rate": Hyperparameter(1.0, "r > 0: τ = exp(r·θ), θ the stored parameter"),
         "linear_weight": Hyperparameter(0.0, "α >= 0: the score gains α(1 + cos(q, k))/2"),
         "linear_offset": Hyperparameter(1.0, "c >= 1: the linear score is α(c + cos)/(1 + c)"),
+        "bucket_balance": Hyperparameter(0.0, "β >= 0: training loss β(log F − I(token; bucket))"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -192,6 +227,7 @@ class SoftHashFeatureMap(FeatureMap):
         temperature_rate: float = 1.0,
         linear_weight: float = 0.0,
         linear_offset: float = 1.0,
+        bucket_balance: float = 0.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -222,6 +258,7 @@ class SoftHashFeatureMap(FeatureMap):
         )
         self.linear_weight = check_float(linear_weight, "linear_weight", minimum=0.0)
         self.linear_offset = check_float(linear_offset, "linear_offset", minimum=1.0)
+        self.bucket_balance = check_float(bucket_balance, "bucket_balance", minimum=0.0)
         if self.linear_offset != 1 and not self.linear_weight:
             raise ValueError("linear_offset needs linear_weight > 0 (it shapes the linear term)")
         log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
@@ -262,7 +299,11 @@ class SoftHashFeatureMap(FeatureMap):
         return torch.cat([one, unit], dim=-1) * math.sqrt(self.linear_weight / (1 + c))
 
     def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        phi = product_softmax(self._logits(x, key), self.factors)
+        logits = self._logits(x, key)
+        phi = product_softmax(logits, self.factors)
+        if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eq. 7
+            loss = self.bucket_balance * information_deficit(logits, self.factors).mean()
+            phi = add_auxiliary_loss(phi, loss)
         if self.linear_weight:
             phi = torch.cat([phi, self.linear_features(x).to(phi.dtype)], dim=-1)
         return self._scaled(phi)
@@ -304,4 +345,5 @@ class SoftHashFeatureMap(FeatureMap):
             )
             + (f", linear_weight={self.linear_weight:g}" if self.linear_weight else "")
             + (f", linear_offset={self.linear_offset:g}" if self.linear_offset != 1 else "")
+            + (f", bucket_balance={self.bucket_balance:g}" if self.bucket_balance else "")
         )

@@ -14,7 +14,9 @@ the map's own code:
 * ``soft_hash``: softmax(x (τ_h W_h / √D)) · output_scale (or the product of ``factors``
   softmaxes, ``features.soft_hash.product_softmax``), W_h's columns rescaled to norm √D with
   ``unit_directions``, and the linear features √(α/(1 + c))(√c, x/‖x‖) appended with
-  ``linear_weight`` (c = ``linear_offset``).
+  ``linear_weight`` (c = ``linear_offset``), and the training-only bucket balance of
+  ``bucket_balance`` (Eq. 7 of ``features.soft_hash``, each head's loss summed as the
+  per-head maps would).
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
 as ``fn(template, params, buffers, x, role, memo)`` with the stacked tensors by their names
@@ -30,11 +32,17 @@ from collections.abc import Callable
 
 import torch
 
+from .._auxiliary import add_auxiliary_loss
 from .._checks import as_dtype
 from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
 from ..features.polysketch import PolySketch
-from ..features.soft_hash import SoftHashFeatureMap, product_softmax, unit_directions
+from ..features.soft_hash import (
+    SoftHashFeatureMap,
+    information_deficit,
+    product_softmax,
+    unit_directions,
+)
 
 __all__ = ["batched_form"]
 
@@ -128,6 +136,10 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     else:  # scale W first: D × F products, not T × F
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
+    if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eq. 7
+        deficit = information_deficit(logits, template.factors)  # (..., H)
+        loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
+        phi = add_auxiliary_loss(phi, loss)
     if template.linear_weight:  # Eqs. 5–6's √(α/(1 + c))(√c, x/‖x‖), the same for every head
         phi = torch.cat([phi, template.linear_features(x).to(phi.dtype)], dim=-1)
     return phi if template.output_scale == 1.0 else phi * template.output_scale

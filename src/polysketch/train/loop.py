@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._auxiliary import auxiliary_loss_scale
 from .._checks import check_positive_int
 from ..data.corpus import Corpus
 from ..nn import TransformerConfig, TransformerLM
@@ -541,8 +542,8 @@ def _optimizer_step(run: _Run, model: nn.Module, rows: slice, ctx) -> tuple[floa
         part = slice(k * micro, (k + 1) * micro)
         xm, ym, kw = micro_inputs(x[part], y[part], separator=run.separator)
         with contextlib.nullcontext() if sync else model.no_sync():
-            with _autocast(cfg, ctx.device):
-                _, loss = model(xm, ym, **kw)
+            with _autocast(cfg, ctx.device), auxiliary_loss_scale(1 / cfg.grad_accum):
+                _, loss = model(xm, ym, **kw)  # auxiliary losses averaged as the loss is
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach().double()
     if cfg.grad_clip > 0:

@@ -1,0 +1,236 @@
+"""soft_hash's training-only bucket balance (``bucket_balance`` = β, features/soft_hash.py Eq. 7):
+L_bal = β(log F − I(token; bucket)) per sequence, back-propagated beside the features by
+``polysketch._auxiliary.add_auxiliary_loss`` without changing them."""
+
+import math
+
+import pytest
+import torch
+
+from polysketch._auxiliary import add_auxiliary_loss, auxiliary_loss_scale
+from polysketch.features import soft_hash
+from polysketch.features.soft_hash import SoftHashFeatureMap, information_deficit
+from polysketch.nn import TransformerConfig, TransformerLM, heads_batched
+from polysketch.nn.core import AttentionCore
+from polysketch.nn.heads import MultiHeadFeatureMap
+
+D = 8
+
+
+def _deficit_by_definition(logits: torch.Tensor, factors: int) -> torch.Tensor:
+    """log F − [H(ū) − mean_t H(p_t)] in fp64 by brute force: p_t the Kronecker product of the
+    factors' softmaxes, entropies summed term by term. logits (T, m·B) -> scalar."""
+    parts = logits.double().unflatten(-1, (factors, -1)).softmax(-1)  # (T, m, B)
+    rows = []
+    for t in range(parts.shape[0]):
+        p = parts[t, 0]
+        for i in range(1, factors):
+            p = torch.kron(p, parts[t, i])
+        rows.append(p)
+    p = torch.stack(rows)  # (T, F)
+    h_tokens = -(p * p.log()).sum(-1).mean()
+    u = p.mean(0)
+    h_usage = -(u * u.log()).sum()
+    return math.log(p.shape[-1]) - (h_usage - h_tokens)
+
+
+@pytest.mark.parametrize("factors,buckets", [(1, 6), (2, 3)])
+def test_the_deficit_is_log_f_minus_the_mutual_information(factors, buckets):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, factors * buckets, generator=g, dtype=torch.float64) * 2
+    got = information_deficit(logits, factors)
+    assert got.shape == (3,)
+    for b in range(3):
+        want = _deficit_by_definition(logits[b], factors)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)  # fp32 inside
+
+
+def test_the_deficit_is_zero_for_sure_and_even_buckets_and_log_f_for_collapse_or_uniform():
+    f = 8
+    sure_even = torch.eye(f) * 200.0  # token t sure of bucket t, each bucket once
+    one_bucket = sure_even[[3] * f]  # every token sure of the same bucket
+    uniform = torch.zeros(f, f)
+    assert information_deficit(sure_even, 1).item() == pytest.approx(0.0, abs=1e-5)
+    assert information_deficit(one_bucket, 1).item() == pytest.approx(math.log(f), abs=1e-5)
+    assert information_deficit(uniform, 1).item() == pytest.approx(math.log(f), abs=1e-5)
+
+
+def test_a_negative_weight_is_refused_by_name():
+    with pytest.raises(ValueError, match="bucket_balance"):
+        SoftHashFeatureMap(D, num_features=6, bucket_balance=-0.1)
+
+
+def _pair(beta, **kw):
+    """The same map with and without the balance (same draw), fp64, τ learned."""
+    return (SoftHashFeatureMap(D, num_features=6, bucket_balance=beta, seed=3, **kw).double(),
+            SoftHashFeatureMap(D, num_features=6, seed=3, **kw).double())  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", [{}, {"factors": 2, "num_features": 9}, {"linear_weight": 0.1}])
+def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits(kw):
+    """∂/∂θ of ⟨φq, R⟩ + ⟨φk, S⟩ with β equals ∂/∂θ of the same plus β(mean deficit of the
+    query logits + that of the key logits) computed explicitly on the map without β."""
+    beta = 0.37
+    kw = {"num_features": 6, **kw}
+    with_b = SoftHashFeatureMap(D, bucket_balance=beta, seed=3, **kw).double()
+    plain = SoftHashFeatureMap(D, seed=3, **kw).double()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2
+    y = torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2
+    r = torch.randn(2, 9, with_b.feature_dim, generator=g, dtype=torch.float64)
+    s = torch.randn(2, 9, with_b.feature_dim, generator=g, dtype=torch.float64)
+
+    fq, fk = with_b.query(x), with_b.key(y)
+    torch.testing.assert_close(fq, plain.query(x), rtol=0, atol=0)
+    torch.testing.assert_close(fk, plain.key(y), rtol=0, atol=0)
+    got = torch.autograd.grad((fq * r).sum() + (fk * s).sum(), list(with_b.parameters()))
+
+    m = plain.factors
+    explicit = (
+        (plain.query(x) * r).sum()
+        + (plain.key(y) * s).sum()
+        + beta
+        * (
+            information_deficit(plain._logits(x, False), m).mean()
+            + information_deficit(plain._logits(y, True), m).mean()
+        )
+    )
+    want = torch.autograd.grad(explicit, list(plain.parameters()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # the deficit runs in fp32
+    assert got[0].abs().max() > 0
+
+
+def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monkeypatch):
+    with_b, plain = _pair(0.5)
+    x = torch.randn(1, 5, D, dtype=torch.float64)
+    heads = MultiHeadFeatureMap("soft_hash", D, 2, seed=1, num_features=6, bucket_balance=0.5)
+
+    def refuse(*args):
+        raise AssertionError("the deficit was computed under no_grad")
+
+    monkeypatch.setattr(soft_hash, "information_deficit", refuse)
+    monkeypatch.setattr(heads_batched, "information_deficit", refuse)
+    with torch.no_grad():  # evaluation and decoding pay nothing
+        torch.testing.assert_close(with_b.query(x), plain.query(x), rtol=0, atol=0)
+        heads.query(torch.randn(1, 2, 5, D))
+    with pytest.raises(AssertionError, match="no_grad"):  # ... and with autograd it is called
+        heads.query(torch.randn(1, 2, 5, D))
+    monkeypatch.undo()
+    one = torch.randn(1, 1, D, dtype=torch.float64)  # decoding: I = 0 for one token, no loss
+    a = torch.autograd.grad(with_b.query(one).sum(), with_b.weight_q)[0]
+    b = torch.autograd.grad(plain.query(one).sum(), plain.weight_q)[0]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_scale_in_force_at_the_forward_weighs_the_auxiliary_gradient():
+    w = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+
+    def grad_w(scale):
+        with auxiliary_loss_scale(scale):
+            out = add_auxiliary_loss(x * 1.0, w**2)  # ∂(w²)/∂w = 4
+        return torch.autograd.grad(out.sum(), w)[0].item()
+
+    assert grad_w(1.0) == 4.0 and grad_w(0.25) == 1.0
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="scale"):
+            with auxiliary_loss_scale(bad):
+                pass
+    with pytest.raises(ValueError, match="scalar"):
+        add_auxiliary_loss(x, torch.ones(2))
+
+
+@pytest.mark.parametrize("factors", [1, 2])
+def test_every_multi_head_path_gives_each_head_its_own_loss(factors):
+    """Batched heads and vmap: the same features and gradients, equal to those of the sum over
+    heads of each head's explicit loss (as H separate maps would give)."""
+    f = 9 if factors == 2 else 6
+    kw = dict(num_features=f, factors=factors, bucket_balance=0.4)
+    x = torch.randn(2, 3, 7, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    results = []
+    for batched in (True, False):
+        heads = MultiHeadFeatureMap("soft_hash", D, 3, seed=1, **kw).double()
+        heads.use_batched = batched
+        phi = torch.cat([heads.query(x), heads.key(x.flip(-2))], dim=-1)
+        params = [p for p in heads.parameters()]
+        grads = torch.autograd.grad((phi * phi.detach().flip(-1)).sum(), params)
+        results.append(
+            (phi, {n: g for (n, _), g in zip(heads.named_parameters(), grads, strict=True)})
+        )
+    (p0, g0), *rest = results
+    for p, gr in rest:
+        torch.testing.assert_close(p, p0, rtol=1e-12, atol=1e-14)
+        for a, b in zip(sorted(g0.items()), sorted(gr.items()), strict=True):
+            torch.testing.assert_close(a[1].reshape(-1), b[1].reshape(-1), rtol=1e-9, atol=1e-12)
+    plain = MultiHeadFeatureMap("soft_hash", D, 3, seed=1, num_features=f, factors=factors)
+    plain = plain.double()
+    q = torch.cat([plain.query(x), plain.key(x.flip(-2))], dim=-1)
+    explicit = (q * q.detach().flip(-1)).sum()
+    params, _ = plain._stacked()  # (H, D, m·B) directions and (H,) log τ, differentiable
+    log_t = params["map.log_temperature"]
+    for which, xs in (("q", x), ("k", x.flip(-2))):
+        weight = params[f"map.weight_{which}"]
+        for h in range(3):  # each head's own loss on its own slice: τ_h x W_h / √D
+            logits = xs[:, h] @ weight[h] * (log_t[h].exp() / math.sqrt(D))
+            explicit = explicit + 0.4 * information_deficit(logits, factors).mean()
+    names = [n for n, _ in plain.named_parameters()]
+    want = dict(zip(names, torch.autograd.grad(explicit, list(plain.parameters())), strict=True))
+    for name, g in g0.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_with_the_balance_trains_the_same_outputs_and_recomputes_exactly():
+    """In a TransformerLM: the balance changes no logits; the recomputed backward equals the
+    stored one (the scale is kept from the forward); the gradient differs from β = 0's."""
+    base = dict(attention="soft_hash_far_local_tied", vocab_size=32, block_size=64, n_layer=2,
+                n_head=2, n_embd=32, chunk_size=8)  # fmt: skip
+    idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for beta, recompute in ((0.0, True), (0.2, True), (0.2, False)):
+        cfg = TransformerConfig(**base, map_kwargs={"num_features": 24, "bucket_balance": beta})
+        torch.manual_seed(0)
+        model = TransformerLM(cfg).double()
+        for core in model.modules():
+            if isinstance(core, AttentionCore):
+                core.checkpoint = recompute
+        logits, loss = model(idx, idx)
+        runs[beta, recompute] = (logits, torch.autograd.grad(loss, list(model.parameters())))
+    (l0, g0), (l1, g1), (l2, g2) = runs[0.0, True], runs[0.2, True], runs[0.2, False]
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    torch.testing.assert_close(l2, l0, rtol=0, atol=0)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(g1, g0, strict=True))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_the_training_loop_weighs_the_auxiliary_loss_as_each_micro_batch_loss(
+    tmp_path, monkeypatch, grad_accum
+):
+    """``train`` back-propagates loss / n for each of n micro-batches, and runs each forward
+    under ``auxiliary_loss_scale(1 / n)``, so the bucket balance is averaged as the loss is
+    (without the scale it would weigh n×)."""
+    from polysketch import _auxiliary
+    from polysketch.data.corpus import load_corpus
+    from polysketch.train import TrainConfig, train
+
+    seen = []  # the scale each auxiliary gradient is back-propagated with
+    backward = _auxiliary._AddAuxiliaryLoss.backward
+
+    def recording(ctx, grad):
+        seen.append(ctx.scale)
+        return backward(ctx, grad)
+
+    monkeypatch.setattr(_auxiliary._AddAuxiliaryLoss, "backward", staticmethod(recording))
+    text = tmp_path / "tiny.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    model = TransformerConfig(attention="soft_hash_far_local_tied", vocab_size=256,
+                              block_size=16, n_layer=1, n_head=2, n_embd=16, chunk_size=8,
+                              map_kwargs={"num_features": 8, "bucket_balance": 0.5})  # fmt: skip
+    cfg = TrainConfig(steps=1, batch_size=4, grad_accum=grad_accum, warmup_steps=0,
+                      eval_interval=1, eval_batches=1, log_interval=1)  # fmt: skip
+    train(model, cfg, load_corpus(text), progress=False)
+    # queries and keys of each micro-batch's far branch, once each (the backward recomputes the
+    # forward outside the scale's block: the scale is the one kept from the first forward)
+    assert seen == [1 / grad_accum] * (2 * grad_accum)
