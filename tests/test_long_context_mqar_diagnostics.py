@@ -1,11 +1,12 @@
 """experiments/long_context/mqar_diagnostics.py and ``long_context.py mqar-diagnose``."""
 
 import csv
+import math
 
 import long_context
 import pytest
 import torch
-from experiments.long_context.mqar_diagnostics import answers, pair_scores
+from experiments.long_context.mqar_diagnostics import answers, information, pair_scores
 
 from polysketch.data.mqar import IGNORE_INDEX, MQARConfig, make_mqar
 from polysketch.eval import mqar_sweep
@@ -13,6 +14,16 @@ from polysketch.eval import mqar_sweep
 
 def _one_hot(buckets, f=4):
     return torch.nn.functional.one_hot(torch.tensor(buckets), f).float()
+
+
+def test_information_is_zero_for_one_shared_distribution_and_log_f_for_sure_even_buckets():
+    sure_even = _one_hot([0, 1, 2, 3])  # each token sure of its own bucket
+    one_bucket = _one_hot([2, 2, 2, 2])
+    uniform = torch.full((4, 4), 0.25)
+    got = information(torch.stack([sure_even, one_bucket, uniform]))
+    torch.testing.assert_close(got, torch.tensor([math.log(4), 0.0, 0.0]), rtol=0, atol=1e-6)
+    half = _one_hot([0, 0, 1, 1])  # two buckets, evenly: log 2
+    assert float(information(half)) == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_pair_scores_read_the_source_among_the_far_keys():
@@ -65,6 +76,8 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
             assert 0.0 <= float(r[name]) <= 1.0
         assert float(r["source_weight"]) <= float(r["values_weight"]) + 1e-6
         assert 1.0 <= float(r["q_buckets"]) <= 1920  # between one bucket and the F of the map
+        for name in ("q_information", "k_information"):
+            assert 0.0 <= float(r[name]) <= math.log(1920) + 1e-6
     assert "No soft-hash far branch (no rows): models/softmax_lr0.003" in (
         out / "mqar_diagnose.md").read_text()  # fmt: skip
     # --per-head: a row per layer and head, each head with its own map; their means over the
@@ -79,7 +92,8 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     for layer, row in enumerate(rows):
         pair = heads[2 * layer : 2 * layer + 2]
         assert pair[0]["tau"] != pair[1]["tau"] or pair[0]["q_buckets"] != pair[1]["q_buckets"]
-        for name in ("tau", "q_buckets", "k_buckets", "source_weight", "source_top"):
+        for name in ("tau", "q_buckets", "k_buckets", "q_information", "source_weight",
+                     "source_top"):  # fmt: skip
             mean = (float(pair[0][name]) + float(pair[1][name])) / 2
             assert mean == pytest.approx(float(row[name]), rel=1e-5, abs=1e-9), name
     capsys.readouterr()

@@ -13,6 +13,10 @@ layer, mean over answers and heads (``head`` = "mean"), or per layer and head (`
 
 * ``tau``: the map's temperature τ; ``q_buckets``, ``k_buckets``: exp of the entropy of an
   answer's query distribution and of a context value-key's (1 = one bucket, F = uniform);
+* ``q_information``, ``k_information``: I(token; bucket) = H(ū) − mean_t H(φ(x_t)) in nats
+  over all T queries (keys) of a sequence, ū their mean distribution (``features.soft_hash``
+  Eq. 7; 0 when every token has the same distribution, whether one bucket or uniform; log F
+  at most): the collapse onto one bucket shows as I near 0 with ``q_buckets`` near 1;
 * ``source_weight``: s_p,src / Σ_{j far} s_pj, the weight the branch puts on the source among
   every key it reads (``grid_diagnostics.far_keys``: the completed blocks before p's);
   ``values_weight``: the same summed over the n context value positions (any value);
@@ -36,13 +40,21 @@ import torch
 
 from polysketch.data.mqar import IGNORE_INDEX
 
-from .grid_diagnostics import _captured, _far_chunk, branch_features, far_keys, global_branches
+from .grid_diagnostics import (
+    _captured,
+    _entropy,
+    _far_chunk,
+    branch_features,
+    far_keys,
+    global_branches,
+)
 
-__all__ = ["MQAR_DIAG_COLUMNS", "answers", "pair_scores", "diagnose_mqar"]
+__all__ = ["MQAR_DIAG_COLUMNS", "answers", "diagnose_mqar", "information", "pair_scores"]
 
 MQAR_DIAG_COLUMNS = (
-    "layer", "head", "tau", "q_buckets", "k_buckets", "source_weight", "values_weight",
-    "source_top", "source_cos", "other_cos", "value_key_cos", "accuracy",
+    "layer", "head", "tau", "q_buckets", "k_buckets", "q_information", "k_information",
+    "source_weight", "values_weight", "source_top", "source_cos", "other_cos", "value_key_cos",
+    "accuracy",
 )  # fmt: skip
 
 
@@ -76,7 +88,12 @@ def pair_scores(phi_q, phi_k, p: int, a: int, num_kv_pairs: int, far: torch.Tens
 
 
 def _entropy_exp(p: torch.Tensor) -> torch.Tensor:
-    return (-(p * p.clamp_min(1e-30).log()).sum(-1)).exp()
+    return _entropy(p).exp()
+
+
+def information(phi: torch.Tensor) -> torch.Tensor:
+    """I(token; bucket) of bucket distributions phi (..., T, F) over their T tokens: (...,)."""
+    return _entropy(phi.mean(-2)) - _entropy(phi).mean(-1)
 
 
 def diagnose_mqar(model, inputs, targets, num_kv_pairs: int, per_head: bool = False) -> list[dict]:
@@ -109,7 +126,8 @@ def diagnose_mqar(model, inputs, targets, num_kv_pairs: int, per_head: bool = Fa
         far = far_keys(inputs.shape[1], _far_chunk(block.attn))
         qn, kn = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
         n_heads = q.shape[1]
-        acc = [{c: [] for c in MQAR_DIAG_COLUMNS[3:-1]} for _ in range(n_heads)]
+        skip = ("k_buckets", "q_information", "k_information", "value_key_cos")  # per sequence
+        acc = [{c: [] for c in MQAR_DIAG_COLUMNS[3:-1] if c not in skip} for _ in range(n_heads)]
         for b, p, a in found:
             if not bool(far[p, values].all()):
                 continue
@@ -126,6 +144,7 @@ def diagnose_mqar(model, inputs, targets, num_kv_pairs: int, per_head: bool = Fa
         kv = kn[:, :, values]  # (B, H, n, D): the context's value keys
         gram = (kv @ kv.transpose(-1, -2))[..., off]  # (B, H, n(n - 1))
         k_buckets = _entropy_exp(phi_k[:, :, values])  # (B, H, n)
+        q_info, k_info = information(phi_q), information(phi_k)  # (B, H)
         taus = [m.temperature for m in heads]
         groups = [(h, [h]) for h in range(n_heads)] if per_head else [("mean", range(n_heads))]
         for head, hs in groups:
@@ -137,6 +156,8 @@ def diagnose_mqar(model, inputs, targets, num_kv_pairs: int, per_head: bool = Fa
                 "tau": taus[head] if per_head and len(taus) == n_heads else sum(taus) / len(taus),
                 **{name: sum(v) / len(v) for name, v in merged.items() if v},
                 "k_buckets": float(k_buckets[:, list(hs)].mean()),
+                "q_information": float(q_info[:, list(hs)].mean()),
+                "k_information": float(k_info[:, list(hs)].mean()),
                 "value_key_cos": float(gram[:, list(hs)].mean()) if num_kv_pairs > 1 else 1.0,
                 "accuracy": accuracy,
             })  # fmt: skip
