@@ -183,3 +183,17 @@ def test_mqar_curriculum_setting_reports_each_stage(tmp_path):
             "1", "--out", str(tmp_path / "est"), "--attentions", "softmax"]  # fmt: skip
     assert long_context.main(argv) == 0
     assert "and the curriculum" in (tmp_path / "est" / "estimate.md").read_text()
+
+
+def test_flush_denormals_turns_subnormal_floats_to_zero_for_the_run(tmp_path):
+    """``--flush-denormals`` (any sub-command) sets torch's flush-to-zero for the process:
+    a sharp soft hash's probabilities below fp32's smallest normal (1.2e-38) become 0."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert float(tiny * 1.0) > 0  # subnormals kept by default
+    try:
+        argv = ["mqar", "--smoke", "--no-progress", "--out", str(tmp_path), "--flush-denormals"]
+        assert long_context.main(argv) == 0
+        assert float(tiny * 1.0) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert float(tiny * 1.0) > 0
