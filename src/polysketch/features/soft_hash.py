@@ -98,7 +98,9 @@ I being the mutual information between a token drawn from the sequence and its b
 largest (log F) when every token is sure of its bucket and the buckets are used equally, and 0
 both when all tokens share one distribution (the collapse onto one bucket that
 ``docs/results/long_context/mqar_screen256/`` diagnoses in the heads that fail to retrieve)
-and when every distribution is uniform, so that the loss cannot be met by softening τ. Queries
+and when every distribution is uniform, so that the loss cannot be met by softening τ (it
+rewards sharpening instead: at β = 0.01 τ rose to 31–57 on MQAR and recall fell, measured in
+``docs/results/long_context/README.md`` section 5; no preset uses it). Queries
 and keys each add their L_bal (per head and per sequence, averaged over the batch); it changes
 no output: ``polysketch._auxiliary.add_auxiliary_loss`` back-propagates it beside the features
 whenever autograd records them (so under ``torch.no_grad`` it costs nothing). It is computed
@@ -150,7 +152,8 @@ def information_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
     p = parts.softmax(-1)
     tiny = torch.finfo(p.dtype).tiny
     token_entropy = -(p * p.clamp_min(tiny).log()).sum((-1, -2)).mean(-1)  # Σ_i H(φ_i)
-    usage = product_softmax(logits, factors).mean(-2)  # ū: (..., F)
+    joint = p.squeeze(-2) if factors == 1 else product_softmax(logits, factors)  # (..., T, F)
+    usage = joint.mean(-2)  # ū: (..., F)
     usage_entropy = -(usage * usage.clamp_min(tiny).log()).sum(-1)
     num_features = usage.shape[-1]
     return math.log(num_features) - (usage_entropy - token_entropy)
