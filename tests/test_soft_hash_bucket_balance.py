@@ -1,6 +1,8 @@
-"""soft_hash's training-only bucket balance (``bucket_balance`` = β, features/soft_hash.py Eq. 7):
-L_bal = β(log F − I(token; bucket)) per sequence, back-propagated beside the features by
-``polysketch._auxiliary.add_auxiliary_loss`` without changing them."""
+"""soft_hash's training-only bucket balance (``bucket_balance`` = β, features/soft_hash.py Eqs.
+7–8): L_bal = β(log F − I(token; bucket)) or, with ``bucket_balance_form="usage"``,
+β(log F − H(ū)) per sequence, back-propagated beside the features by
+``polysketch._auxiliary.add_auxiliary_loss`` without changing them; with
+``bucket_balance_temperature=False`` its gradient does not reach the map's τ."""
 
 import math
 
@@ -9,17 +11,22 @@ import torch
 
 from polysketch._auxiliary import add_auxiliary_loss, auxiliary_loss_scale
 from polysketch.features import soft_hash
-from polysketch.features.soft_hash import SoftHashFeatureMap, information_deficit
-from polysketch.nn import TransformerConfig, TransformerLM, heads_batched
+from polysketch.features.soft_hash import (
+    SoftHashFeatureMap,
+    information_deficit,
+    usage_deficit,
+)
+from polysketch.nn import TransformerConfig, TransformerLM
 from polysketch.nn.core import AttentionCore
 from polysketch.nn.heads import MultiHeadFeatureMap
 
 D = 8
 
 
-def _deficit_by_definition(logits: torch.Tensor, factors: int) -> torch.Tensor:
-    """log F − [H(ū) − mean_t H(p_t)] in fp64 by brute force: p_t the Kronecker product of the
-    factors' softmaxes, entropies summed term by term. logits (T, m·B) -> scalar."""
+def _deficit_by_definition(logits: torch.Tensor, factors: int, usage_only=False) -> torch.Tensor:
+    """log F − [H(ū) − mean_t H(p_t)] (``usage_only``: log F − H(ū)) in fp64 by brute force:
+    p_t the Kronecker product of the factors' softmaxes, entropies summed term by term.
+    logits (T, m·B) -> scalar."""
     parts = logits.double().unflatten(-1, (factors, -1)).softmax(-1)  # (T, m, B)
     rows = []
     for t in range(parts.shape[0]):
@@ -31,17 +38,20 @@ def _deficit_by_definition(logits: torch.Tensor, factors: int) -> torch.Tensor:
     h_tokens = -(p * p.log()).sum(-1).mean()
     u = p.mean(0)
     h_usage = -(u * u.log()).sum()
-    return math.log(p.shape[-1]) - (h_usage - h_tokens)
+    return math.log(p.shape[-1]) - (h_usage - (0.0 if usage_only else h_tokens))
 
 
+@pytest.mark.parametrize("usage_only", [False, True])
 @pytest.mark.parametrize("factors,buckets", [(1, 6), (2, 3)])
-def test_the_deficit_is_log_f_minus_the_mutual_information(factors, buckets):
+def test_the_deficit_is_log_f_minus_the_mutual_information_or_the_usage_entropy(
+    factors, buckets, usage_only
+):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, factors * buckets, generator=g, dtype=torch.float64) * 2
-    got = information_deficit(logits, factors)
+    got = (usage_deficit if usage_only else information_deficit)(logits, factors)
     assert got.shape == (3,)
     for b in range(3):
-        want = _deficit_by_definition(logits[b], factors)
+        want = _deficit_by_definition(logits[b], factors, usage_only)
         torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)  # fp32 inside
 
 
@@ -53,11 +63,19 @@ def test_the_deficit_is_zero_for_sure_and_even_buckets_and_log_f_for_collapse_or
     assert information_deficit(sure_even, 1).item() == pytest.approx(0.0, abs=1e-5)
     assert information_deficit(one_bucket, 1).item() == pytest.approx(math.log(f), abs=1e-5)
     assert information_deficit(uniform, 1).item() == pytest.approx(math.log(f), abs=1e-5)
+    # the usage alone: even use is met by sure tokens and by uniform ones alike
+    assert usage_deficit(sure_even, 1).item() == pytest.approx(0.0, abs=1e-5)
+    assert usage_deficit(uniform, 1).item() == pytest.approx(0.0, abs=1e-5)
+    assert usage_deficit(one_bucket, 1).item() == pytest.approx(math.log(f), abs=1e-5)
 
 
-def test_a_negative_weight_is_refused_by_name():
+def test_a_negative_weight_an_unknown_form_and_a_non_bool_flag_are_refused_by_name():
     with pytest.raises(ValueError, match="bucket_balance"):
         SoftHashFeatureMap(D, num_features=6, bucket_balance=-0.1)
+    with pytest.raises(ValueError, match="bucket_balance_form"):
+        SoftHashFeatureMap(D, num_features=6, bucket_balance=0.1, bucket_balance_form="even")
+    with pytest.raises(TypeError, match="bucket_balance_temperature"):
+        SoftHashFeatureMap(D, num_features=6, bucket_balance=0.1, bucket_balance_temperature=0)
 
 
 def _pair(beta, **kw):
@@ -66,13 +84,20 @@ def _pair(beta, **kw):
             SoftHashFeatureMap(D, num_features=6, seed=3, **kw).double())  # fmt: skip
 
 
+@pytest.mark.parametrize("form,through_tau", [("information", True), ("information", False),
+                                              ("usage", False), ("usage", True)])  # fmt: skip
 @pytest.mark.parametrize("kw", [{}, {"factors": 2, "num_features": 9}, {"linear_weight": 0.1}])
-def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits(kw):
+def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits(
+    kw, form, through_tau
+):
     """∂/∂θ of ⟨φq, R⟩ + ⟨φk, S⟩ with β equals ∂/∂θ of the same plus β(mean deficit of the
-    query logits + that of the key logits) computed explicitly on the map without β."""
+    query logits + that of the key logits) computed explicitly on the map without β (with τ
+    detached in those logits when the balance is not to reach it: τ's gradient is then the
+    plain map's)."""
     beta = 0.37
+    balance = {"bucket_balance_form": form, "bucket_balance_temperature": through_tau}
     kw = {"num_features": 6, **kw}
-    with_b = SoftHashFeatureMap(D, bucket_balance=beta, seed=3, **kw).double()
+    with_b = SoftHashFeatureMap(D, bucket_balance=beta, seed=3, **balance, **kw).double()
     plain = SoftHashFeatureMap(D, seed=3, **kw).double()
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2
@@ -85,20 +110,26 @@ def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits
     torch.testing.assert_close(fk, plain.key(y), rtol=0, atol=0)
     got = torch.autograd.grad((fq * r).sum() + (fk * s).sum(), list(with_b.parameters()))
 
-    m = plain.factors
-    explicit = (
-        (plain.query(x) * r).sum()
-        + (plain.key(y) * s).sum()
-        + beta
-        * (
-            information_deficit(plain._logits(x, False), m).mean()
-            + information_deficit(plain._logits(y, True), m).mean()
-        )
+    m, deficit = plain.factors, usage_deficit if form == "usage" else information_deficit
+    task = (plain.query(x) * r).sum() + (plain.key(y) * s).sum()
+    balance_loss = beta * (
+        deficit(plain._logits(x, False, learn_tau=through_tau), m).mean()
+        + deficit(plain._logits(y, True, learn_tau=through_tau), m).mean()
     )
-    want = torch.autograd.grad(explicit, list(plain.parameters()))
+    want = torch.autograd.grad(task + balance_loss, list(plain.parameters()), retain_graph=True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # the deficit runs in fp32
     assert got[0].abs().max() > 0
+    names = [n for n, _ in with_b.named_parameters()]
+    tau = names.index("log_temperature")
+    task_only = torch.autograd.grad(task, plain.log_temperature)[0]
+    balance_tau = torch.autograd.grad(balance_loss, plain.log_temperature, allow_unused=True)[0]
+    if through_tau:  # the balance moves τ (Eq. 7 sharpens, Eq. 8 softens)
+        assert balance_tau.abs() > 1e-6
+        assert (got[tau] - task_only).abs() > 1e-6
+    else:  # τ learns from the task alone
+        assert balance_tau is None
+        torch.testing.assert_close(got[tau], task_only, rtol=1e-12, atol=1e-15)
 
 
 def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monkeypatch):
@@ -109,8 +140,8 @@ def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monke
     def refuse(*args):
         raise AssertionError("the deficit was computed under no_grad")
 
-    monkeypatch.setattr(soft_hash, "information_deficit", refuse)
-    monkeypatch.setattr(heads_batched, "information_deficit", refuse)
+    for form in soft_hash.BALANCE_FORMS:
+        monkeypatch.setitem(soft_hash.BALANCE_FORMS, form, refuse)
     with torch.no_grad():  # evaluation and decoding pay nothing
         torch.testing.assert_close(with_b.query(x), plain.query(x), rtol=0, atol=0)
         heads.query(torch.randn(1, 2, 5, D))
@@ -141,12 +172,14 @@ def test_the_scale_in_force_at_the_forward_weighs_the_auxiliary_gradient():
         add_auxiliary_loss(x, torch.ones(2))
 
 
+@pytest.mark.parametrize("form,through_tau", [("information", True), ("usage", False)])
 @pytest.mark.parametrize("factors", [1, 2])
-def test_every_multi_head_path_gives_each_head_its_own_loss(factors):
+def test_every_multi_head_path_gives_each_head_its_own_loss(factors, form, through_tau):
     """Batched heads and vmap: the same features and gradients, equal to those of the sum over
     heads of each head's explicit loss (as H separate maps would give)."""
     f = 9 if factors == 2 else 6
-    kw = dict(num_features=f, factors=factors, bucket_balance=0.4)
+    kw = dict(num_features=f, factors=factors, bucket_balance=0.4, bucket_balance_form=form,
+              bucket_balance_temperature=through_tau)  # fmt: skip
     x = torch.randn(2, 3, 7, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     results = []
     for batched in (True, False):
@@ -169,11 +202,14 @@ def test_every_multi_head_path_gives_each_head_its_own_loss(factors):
     explicit = (q * q.detach().flip(-1)).sum()
     params, _ = plain._stacked()  # (H, D, m·B) directions and (H,) log τ, differentiable
     log_t = params["map.log_temperature"]
+    deficit = usage_deficit if form == "usage" else information_deficit
+    if not through_tau:
+        log_t = log_t.detach()
     for which, xs in (("q", x), ("k", x.flip(-2))):
         weight = params[f"map.weight_{which}"]
         for h in range(3):  # each head's own loss on its own slice: τ_h x W_h / √D
             logits = xs[:, h] @ weight[h] * (log_t[h].exp() / math.sqrt(D))
-            explicit = explicit + 0.4 * information_deficit(logits, factors).mean()
+            explicit = explicit + 0.4 * deficit(logits, factors).mean()
     names = [n for n, _ in plain.named_parameters()]
     want = dict(zip(names, torch.autograd.grad(explicit, list(plain.parameters())), strict=True))
     for name, g in g0.items():

@@ -107,6 +107,19 @@ whenever autograd records them (so under ``torch.no_grad`` it costs nothing). It
 over the tokens the map sees in one call (a rank's shard under context parallelism; padded
 positions count). Off (β = 0) by default.
 
+**Even usage** (``bucket_balance_form = "usage"``): the balance on the usage alone,
+
+    L_use = β (log F − H(ū)) = β KL(ū ‖ U) ∈ [0, β log F],                                (8)
+
+0 when the sequence's tokens spread evenly over the buckets, whatever each token's own
+sharpness. It penalizes the collapse onto few buckets as (7) does, without rewarding sure
+tokens; unlike (7) it can be met by softening every token towards uniform, so it is meant
+with ``bucket_balance_temperature=False``: the balance's gradient then reaches the bucket
+directions W and the inputs x (and through x the layers below) but not this map's τ (its
+logits use τ detached, one more x W product per call while training), so that τ learns from
+the model's loss alone. That flag applies to (7) too (the sharpening measured there came
+through τ).
+
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
 "own"``). Parameters: ``weight_q`` (D, m·B), ``weight_k`` (D, m·B) unless ``shared`` (both
@@ -126,7 +139,10 @@ from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
 from .base import FeatureMap, Hyperparameter, register
 
-__all__ = ["SoftHashFeatureMap", "information_deficit", "product_softmax", "unit_directions"]
+__all__ = [
+    "BALANCE_FORMS", "SoftHashFeatureMap", "information_deficit", "product_softmax",
+    "unit_directions", "usage_deficit",
+]  # fmt: skip
 
 
 def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
@@ -157,6 +173,18 @@ def information_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
     usage_entropy = -(usage * usage.clamp_min(tiny).log()).sum(-1)
     num_features = usage.shape[-1]
     return math.log(num_features) - (usage_entropy - token_entropy)
+
+
+def usage_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
+    """log F − H(ū) = KL(ū ‖ U) of Eq. 8 for the bucket logits (..., T, m·B) of sequences of T
+    tokens: -> (...,), in float32; ū the mean over T of the product distributions of Eq. 3."""
+    usage = product_softmax(logits.float(), factors).mean(-2)  # (..., F)
+    usage_entropy = -(usage * usage.clamp_min(torch.finfo(usage.dtype).tiny).log()).sum(-1)
+    return math.log(usage.shape[-1]) - usage_entropy
+
+
+BALANCE_FORMS = {"information": information_deficit, "usage": usage_deficit}
+"""``bucket_balance_form`` -> its deficit: Eq. 7's log F − I, or Eq. 8's log F − H(ū)."""
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -194,6 +222,10 @@ class SoftHashFeatureMap(FeatureMap):
             α(c − 1)/(1 + c) (Eq. 6); c = 1 (default) is Eq. 5.
         bucket_balance: β ≥ 0; β > 0 back-propagates the training-only loss β(log F − I) of
             Eq. 7 for queries and for keys (the features' values do not change).
+        bucket_balance_form: ``"information"`` (Eq. 7, default) or ``"usage"`` (Eq. 8:
+            β KL(ū ‖ U), the buckets' usage alone).
+        bucket_balance_temperature: the balance's gradient reaches τ (default True); False
+            computes its logits with τ detached (the directions and inputs still learn from it).
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
             Normalized linear attention does not depend on it; in mixed attention
             (``mixed=True``) it weighs the far blocks against the exact local ones, and with
@@ -216,6 +248,10 @@ class SoftHashFeatureMap(FeatureMap):
         "linear_weight": Hyperparameter(0.0, "α >= 0: the score gains α(1 + cos(q, k))/2"),
         "linear_offset": Hyperparameter(1.0, "c >= 1: the linear score is α(c + cos)/(1 + c)"),
         "bucket_balance": Hyperparameter(0.0, "β >= 0: training loss β(log F − I(token; bucket))"),
+        "bucket_balance_form": Hyperparameter(
+            "information", "the balance's deficit: 'information' (log F − I) or 'usage' (KL(ū‖U))"
+        ),
+        "bucket_balance_temperature": Hyperparameter(True, "the balance's gradient reaches τ"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -235,6 +271,8 @@ class SoftHashFeatureMap(FeatureMap):
         linear_weight: float = 0.0,
         linear_offset: float = 1.0,
         bucket_balance: float = 0.0,
+        bucket_balance_form: str = "information",
+        bucket_balance_temperature: bool = True,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -248,7 +286,8 @@ class SoftHashFeatureMap(FeatureMap):
         self.buckets = _root(self.num_features, self.factors)  # B: F = B^m
         temperature = check_float(temperature, "temperature", minimum=0.0, strict_minimum=True)
         flags = (("learn_temperature", learn_temperature), ("shared", shared),
-                 ("unit_directions", unit_directions))  # fmt: skip
+                 ("unit_directions", unit_directions),
+                 ("bucket_balance_temperature", bucket_balance_temperature))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -266,6 +305,11 @@ class SoftHashFeatureMap(FeatureMap):
         self.linear_weight = check_float(linear_weight, "linear_weight", minimum=0.0)
         self.linear_offset = check_float(linear_offset, "linear_offset", minimum=1.0)
         self.bucket_balance = check_float(bucket_balance, "bucket_balance", minimum=0.0)
+        if bucket_balance_form not in BALANCE_FORMS:
+            raise ValueError(f"bucket_balance_form must be one of {sorted(BALANCE_FORMS)}, got "
+                             f"{bucket_balance_form!r}")  # fmt: skip
+        self.bucket_balance_form = bucket_balance_form
+        self.bucket_balance_temperature = bucket_balance_temperature
         if self.linear_offset != 1 and not self.linear_weight:
             raise ValueError("linear_offset needs linear_weight > 0 (it shapes the linear term)")
         log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
@@ -284,13 +328,15 @@ class SoftHashFeatureMap(FeatureMap):
         """τ = exp(r·θ), the current temperature (θ = ``log_temperature``, r its rate)."""
         return float((self.log_temperature.detach() * self.temperature_rate).exp())
 
-    def _logits(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, key: bool, *, learn_tau: bool = True) -> torch.Tensor:
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
-        unless x has fewer rows than D (a decoding step)."""
+        unless x has fewer rows than D (a decoding step); ``learn_tau=False``: τ detached."""
         w = self.weight_k if key and not self.shared else self.weight_q
         if self.unit_directions:
             w = unit_directions(w, self.dim)
         scale = (self.log_temperature * self.temperature_rate).exp() / math.sqrt(self.dim)
+        if not learn_tau:
+            scale = scale.detach()
         if x.dim() >= 2 and x.shape[-2] < self.dim:
             return (x @ w.to(x.dtype)) * scale.to(x.dtype)
         return x @ (w * scale).to(x.dtype)
@@ -308,9 +354,11 @@ class SoftHashFeatureMap(FeatureMap):
     def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         logits = self._logits(x, key)
         phi = product_softmax(logits, self.factors)
-        if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eq. 7
-            loss = self.bucket_balance * information_deficit(logits, self.factors).mean()
-            phi = add_auxiliary_loss(phi, loss)
+        if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
+            if not self.bucket_balance_temperature:
+                logits = self._logits(x, key, learn_tau=False)
+            deficit = BALANCE_FORMS[self.bucket_balance_form](logits, self.factors)
+            phi = add_auxiliary_loss(phi, self.bucket_balance * deficit.mean())
         if self.linear_weight:
             phi = torch.cat([phi, self.linear_features(x).to(phi.dtype)], dim=-1)
         return self._scaled(phi)
@@ -352,5 +400,11 @@ class SoftHashFeatureMap(FeatureMap):
             )
             + (f", linear_weight={self.linear_weight:g}" if self.linear_weight else "")
             + (f", linear_offset={self.linear_offset:g}" if self.linear_offset != 1 else "")
-            + (f", bucket_balance={self.bucket_balance:g}" if self.bucket_balance else "")
+            + (
+                f", bucket_balance={self.bucket_balance:g}, "
+                f"bucket_balance_form={self.bucket_balance_form!r}, "
+                f"bucket_balance_temperature={self.bucket_balance_temperature}"
+                if self.bucket_balance
+                else ""
+            )
         )

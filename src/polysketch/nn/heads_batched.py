@@ -15,7 +15,7 @@ the map's own code:
   softmaxes, ``features.soft_hash.product_softmax``), W_h's columns rescaled to norm √D with
   ``unit_directions``, and the linear features √(α/(1 + c))(√c, x/‖x‖) appended with
   ``linear_weight`` (c = ``linear_offset``), and the training-only bucket balance of
-  ``bucket_balance`` (Eq. 7 of ``features.soft_hash``, each head's loss summed as the
+  ``bucket_balance`` (Eqs. 7–8 of ``features.soft_hash``, each head's loss summed as the
   per-head maps would).
 
 ``batched_form(map)`` returns the function for a map instance (or None: vmap then), called
@@ -38,8 +38,8 @@ from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
 from ..features.polysketch import PolySketch
 from ..features.soft_hash import (
+    BALANCE_FORMS,
     SoftHashFeatureMap,
-    information_deficit,
     product_softmax,
     unit_directions,
 )
@@ -136,8 +136,10 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
     else:  # scale W first: D × F products, not T × F
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
-    if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eq. 7
-        deficit = information_deficit(logits, template.factors)  # (..., H)
+    if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
+        if not template.bucket_balance_temperature:  # τ_h detached, W_h and x still learn
+            logits = x @ as_dtype(weight * scale.detach(), x.dtype)
+        deficit = BALANCE_FORMS[template.bucket_balance_form](logits, template.factors)  # (..., H)
         loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
         phi = add_auxiliary_loss(phi, loss)
     if template.linear_weight:  # Eqs. 5–6's √(α/(1 + c))(√c, x/‖x‖), the same for every head
