@@ -157,30 +157,30 @@ def product_softmax(logits: torch.Tensor, factors: int) -> torch.Tensor:
     return phi
 
 
+def _entropy(p: torch.Tensor, dims=-1) -> torch.Tensor:
+    """−Σ p log p over ``dims``, with log p as log(max(p, tiny)), not log_softmax: its backward
+    (and exp(log p)) calls torch's exp on arguments below −87 for sharp buckets, which on a
+    CPU takes a path ~100× slower than softmax's own exponentials; p log p is the same where
+    p ≥ tiny, 0 below."""
+    return -(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(dims)
+
+
 def information_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
     """log F − I of Eq. 7 for the bucket logits (..., T, m·B) of sequences of T tokens: -> (...,),
     in float32; F = B^m and the rows are the product distributions of Eq. 3."""
     logits = logits.float()
-    parts = logits.unflatten(-1, (factors, -1))  # (..., T, m, B)
-    # log p as log(max(p, tiny)), not log_softmax: its backward (and exp(log p)) calls
-    # torch's exp on arguments below −87 for sharp buckets, which on a CPU takes a path ~100×
-    # slower than softmax's own exponentials; p log p is the same where p ≥ tiny, 0 below
-    p = parts.softmax(-1)
-    tiny = torch.finfo(p.dtype).tiny
-    token_entropy = -(p * p.clamp_min(tiny).log()).sum((-1, -2)).mean(-1)  # Σ_i H(φ_i)
+    p = logits.unflatten(-1, (factors, -1)).softmax(-1)  # (..., T, m, B)
+    token_entropy = _entropy(p, (-1, -2)).mean(-1)  # mean over t of Σ_i H(φ_i)
     joint = p.squeeze(-2) if factors == 1 else product_softmax(logits, factors)  # (..., T, F)
     usage = joint.mean(-2)  # ū: (..., F)
-    usage_entropy = -(usage * usage.clamp_min(tiny).log()).sum(-1)
-    num_features = usage.shape[-1]
-    return math.log(num_features) - (usage_entropy - token_entropy)
+    return math.log(usage.shape[-1]) - (_entropy(usage) - token_entropy)
 
 
 def usage_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
     """log F − H(ū) = KL(ū ‖ U) of Eq. 8 for the bucket logits (..., T, m·B) of sequences of T
     tokens: -> (...,), in float32; ū the mean over T of the product distributions of Eq. 3."""
     usage = product_softmax(logits.float(), factors).mean(-2)  # (..., F)
-    usage_entropy = -(usage * usage.clamp_min(torch.finfo(usage.dtype).tiny).log()).sum(-1)
-    return math.log(usage.shape[-1]) - usage_entropy
+    return math.log(usage.shape[-1]) - _entropy(usage)
 
 
 BALANCE_FORMS = {"information": information_deficit, "usage": usage_deficit}
