@@ -55,9 +55,11 @@ def _run(mode: str) -> dict:
 def test_held_thresholds_reuse_the_pages_of_the_step_before():
     held = _run("hold")
     assert held["held"] is True
-    # held: the four steps reuse the heap's pages; at most a late growth of the heap (seen up
-    # to about one such tensor under load), not several tensors faulted in again every step
-    assert held["faults"] < 2 * PAGES_PER_TENSOR, held
+    # held: the four steps reuse the heap's pages (1-2 faults on a quiet machine); at most a
+    # late growth of the heap under load (seen up to 2.1 such tensors under xdist on 2 cores),
+    # less than what glibc's defaults fault in again in one step (4.7+ tensors a step, so
+    # 19+ over the four), not several tensors every step
+    assert held["faults"] < 4 * PAGES_PER_TENSOR, held
     system = _run("system")  # glibc's defaults: four or more such tensors every step
     assert system["faults"] > 8 * PAGES_PER_TENSOR, system
 
