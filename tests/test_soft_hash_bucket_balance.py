@@ -2,7 +2,8 @@
 7–8): L_bal = β(log F − I(token; bucket)) or, with ``bucket_balance_form="usage"``,
 β(log F − H(ū)) per sequence, back-propagated beside the features by
 ``polysketch._auxiliary.add_auxiliary_loss`` without changing them; with
-``bucket_balance_temperature=False`` its gradient does not reach the map's τ."""
+``bucket_balance_temperature=False`` its gradient does not reach the map's τ, with
+``bucket_balance_inputs=False`` not the inputs."""
 
 import math
 
@@ -76,6 +77,8 @@ def test_a_negative_weight_an_unknown_form_and_a_non_bool_flag_are_refused_by_na
         SoftHashFeatureMap(D, num_features=6, bucket_balance=0.1, bucket_balance_form="even")
     with pytest.raises(TypeError, match="bucket_balance_temperature"):
         SoftHashFeatureMap(D, num_features=6, bucket_balance=0.1, bucket_balance_temperature=0)
+    with pytest.raises(TypeError, match="bucket_balance_inputs"):
+        SoftHashFeatureMap(D, num_features=6, bucket_balance=0.1, bucket_balance_inputs="no")
 
 
 def _pair(beta, **kw):
@@ -84,42 +87,53 @@ def _pair(beta, **kw):
             SoftHashFeatureMap(D, num_features=6, seed=3, **kw).double())  # fmt: skip
 
 
-@pytest.mark.parametrize("form,through_tau", [("information", True), ("information", False),
-                                              ("usage", False), ("usage", True)])  # fmt: skip
+@pytest.mark.parametrize("form,through_tau,through_x", [
+    ("information", True, True), ("information", False, True), ("usage", False, True),
+    ("usage", True, True), ("usage", False, False), ("information", True, False)])  # fmt: skip
 @pytest.mark.parametrize("kw", [{}, {"factors": 2, "num_features": 9}, {"linear_weight": 0.1}])
 def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits(
-    kw, form, through_tau
+    kw, form, through_tau, through_x
 ):
-    """∂/∂θ of ⟨φq, R⟩ + ⟨φk, S⟩ with β equals ∂/∂θ of the same plus β(mean deficit of the
-    query logits + that of the key logits) computed explicitly on the map without β (with τ
-    detached in those logits when the balance is not to reach it: τ's gradient is then the
-    plain map's)."""
+    """∂/∂(θ, x) of ⟨φq, R⟩ + ⟨φk, S⟩ with β equals ∂/∂(θ, x) of the same plus β(mean
+    deficit of the query logits + that of the key logits) computed explicitly on the map
+    without β (with τ, or x, detached in those logits when the balance is not to reach it: τ's,
+    or x's, gradient is then the plain map's)."""
     beta = 0.37
-    balance = {"bucket_balance_form": form, "bucket_balance_temperature": through_tau}
+    balance = {"bucket_balance_form": form, "bucket_balance_temperature": through_tau,
+               "bucket_balance_inputs": through_x}  # fmt: skip
     kw = {"num_features": 6, **kw}
     with_b = SoftHashFeatureMap(D, bucket_balance=beta, seed=3, **balance, **kw).double()
     plain = SoftHashFeatureMap(D, seed=3, **kw).double()
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2
-    y = torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2
+    x = (torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    y = (torch.randn(2, 9, D, generator=g, dtype=torch.float64) * 2).requires_grad_()
     r = torch.randn(2, 9, with_b.feature_dim, generator=g, dtype=torch.float64)
     s = torch.randn(2, 9, with_b.feature_dim, generator=g, dtype=torch.float64)
 
     fq, fk = with_b.query(x), with_b.key(y)
     torch.testing.assert_close(fq, plain.query(x), rtol=0, atol=0)
     torch.testing.assert_close(fk, plain.key(y), rtol=0, atol=0)
-    got = torch.autograd.grad((fq * r).sum() + (fk * s).sum(), list(with_b.parameters()))
+    got = torch.autograd.grad((fq * r).sum() + (fk * s).sum(), [*with_b.parameters(), x, y])
 
     m, deficit = plain.factors, usage_deficit if form == "usage" else information_deficit
     task = (plain.query(x) * r).sum() + (plain.key(y) * s).sum()
+    xb, yb = (x, y) if through_x else (x.detach(), y.detach())
     balance_loss = beta * (
-        deficit(plain._logits(x, False, learn_tau=through_tau), m).mean()
-        + deficit(plain._logits(y, True, learn_tau=through_tau), m).mean()
+        deficit(plain._logits(xb, False, learn_tau=through_tau), m).mean()
+        + deficit(plain._logits(yb, True, learn_tau=through_tau), m).mean()
     )
-    want = torch.autograd.grad(task + balance_loss, list(plain.parameters()), retain_graph=True)
+    want = torch.autograd.grad(task + balance_loss, [*plain.parameters(), x, y], retain_graph=True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # the deficit runs in fp32
     assert got[0].abs().max() > 0
+    task_x = torch.autograd.grad(task, [x, y], retain_graph=True)
+    if through_x:  # the balance moves the inputs (and so the layers below)
+        assert (got[-2] - task_x[0]).abs().max() > 1e-6
+    else:  # the inputs learn from the task alone; the directions still from the balance
+        torch.testing.assert_close(got[-2], task_x[0], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(got[-1], task_x[1], rtol=1e-12, atol=1e-15)
+        task_w = torch.autograd.grad(task, plain.weight_q, retain_graph=True)[0]
+        assert (got[0] - task_w).abs().max() > 1e-6
     names = [n for n, _ in with_b.named_parameters()]
     tau = names.index("log_temperature")
     task_only = torch.autograd.grad(task, plain.log_temperature)[0]
@@ -172,25 +186,25 @@ def test_the_scale_in_force_at_the_forward_weighs_the_auxiliary_gradient():
         add_auxiliary_loss(x, torch.ones(2))
 
 
-@pytest.mark.parametrize("form,through_tau", [("information", True), ("usage", False)])
+@pytest.mark.parametrize("form,through_tau,through_x", [
+    ("information", True, True), ("usage", False, True), ("usage", False, False)])  # fmt: skip
 @pytest.mark.parametrize("factors", [1, 2])
-def test_every_multi_head_path_gives_each_head_its_own_loss(factors, form, through_tau):
+def test_every_multi_head_path_gives_each_head_its_own_loss(factors, form, through_tau, through_x):
     """Batched heads and vmap: the same features and gradients, equal to those of the sum over
     heads of each head's explicit loss (as H separate maps would give)."""
     f = 9 if factors == 2 else 6
     kw = dict(num_features=f, factors=factors, bucket_balance=0.4, bucket_balance_form=form,
-              bucket_balance_temperature=through_tau)  # fmt: skip
+              bucket_balance_temperature=through_tau, bucket_balance_inputs=through_x)  # fmt: skip
     x = torch.randn(2, 3, 7, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x.requires_grad_()
     results = []
     for batched in (True, False):
         heads = MultiHeadFeatureMap("soft_hash", D, 3, seed=1, **kw).double()
         heads.use_batched = batched
         phi = torch.cat([heads.query(x), heads.key(x.flip(-2))], dim=-1)
-        params = [p for p in heads.parameters()]
-        grads = torch.autograd.grad((phi * phi.detach().flip(-1)).sum(), params)
-        results.append(
-            (phi, {n: g for (n, _), g in zip(heads.named_parameters(), grads, strict=True)})
-        )
+        names = [n for n, _ in heads.named_parameters()] + ["x"]
+        grads = torch.autograd.grad((phi * phi.detach().flip(-1)).sum(), [*heads.parameters(), x])
+        results.append((phi, dict(zip(names, grads, strict=True))))
     (p0, g0), *rest = results
     for p, gr in rest:
         torch.testing.assert_close(p, p0, rtol=1e-12, atol=1e-14)
@@ -205,13 +219,15 @@ def test_every_multi_head_path_gives_each_head_its_own_loss(factors, form, throu
     deficit = usage_deficit if form == "usage" else information_deficit
     if not through_tau:
         log_t = log_t.detach()
-    for which, xs in (("q", x), ("k", x.flip(-2))):
+    xb = x if through_x else x.detach()
+    for which, xs in (("q", xb), ("k", xb.flip(-2))):
         weight = params[f"map.weight_{which}"]
         for h in range(3):  # each head's own loss on its own slice: τ_h x W_h / √D
             logits = xs[:, h] @ weight[h] * (log_t[h].exp() / math.sqrt(D))
             explicit = explicit + 0.4 * deficit(logits, factors).mean()
-    names = [n for n, _ in plain.named_parameters()]
-    want = dict(zip(names, torch.autograd.grad(explicit, list(plain.parameters())), strict=True))
+    names = [n for n, _ in plain.named_parameters()] + ["x"]
+    want = torch.autograd.grad(explicit, [*plain.parameters(), x])
+    want = dict(zip(names, want, strict=True))
     for name, g in g0.items():
         torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7)
 

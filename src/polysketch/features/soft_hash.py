@@ -118,7 +118,10 @@ with ``bucket_balance_temperature=False``: the balance's gradient then reaches t
 directions W and the inputs x (and through x the layers below) but not this map's τ (its
 logits use τ detached, one more x W product per call while training), so that τ learns from
 the model's loss alone. That flag applies to (7) too (the sharpening measured there came
-through τ).
+through τ). With ``bucket_balance_inputs=False`` the balance's logits also use x detached: its
+gradient then reaches W alone (and τ unless held out), so it cannot make the layers below
+widen each token's buckets, which is how (8) at β = 0.01 delayed the copy probe's onset
+(measured in ``docs/results/long_context/README.md`` section 5).
 
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
@@ -226,6 +229,8 @@ class SoftHashFeatureMap(FeatureMap):
             β KL(ū ‖ U), the buckets' usage alone).
         bucket_balance_temperature: the balance's gradient reaches τ (default True); False
             computes its logits with τ detached (the directions and inputs still learn from it).
+        bucket_balance_inputs: the balance's gradient reaches the inputs x, and through them
+            the layers below (default True); False computes its logits from x detached.
         output_scale: a constant c > 0 multiplying the features (scores × c², so 0 < s ≤ c²).
             Normalized linear attention does not depend on it; in mixed attention
             (``mixed=True``) it weighs the far blocks against the exact local ones, and with
@@ -252,6 +257,7 @@ class SoftHashFeatureMap(FeatureMap):
             "information", "the balance's deficit: 'information' (log F − I) or 'usage' (KL(ū‖U))"
         ),
         "bucket_balance_temperature": Hyperparameter(True, "the balance's gradient reaches τ"),
+        "bucket_balance_inputs": Hyperparameter(True, "the balance's gradient reaches x"),
         "seed": Hyperparameter(None, "seed of the Gaussian draw of W"),
         "generator": Hyperparameter(None, "torch.Generator for W (not with seed)"),
     }
@@ -273,6 +279,7 @@ class SoftHashFeatureMap(FeatureMap):
         bucket_balance: float = 0.0,
         bucket_balance_form: str = "information",
         bucket_balance_temperature: bool = True,
+        bucket_balance_inputs: bool = True,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ):
@@ -287,7 +294,8 @@ class SoftHashFeatureMap(FeatureMap):
         temperature = check_float(temperature, "temperature", minimum=0.0, strict_minimum=True)
         flags = (("learn_temperature", learn_temperature), ("shared", shared),
                  ("unit_directions", unit_directions),
-                 ("bucket_balance_temperature", bucket_balance_temperature))  # fmt: skip
+                 ("bucket_balance_temperature", bucket_balance_temperature),
+                 ("bucket_balance_inputs", bucket_balance_inputs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -310,6 +318,7 @@ class SoftHashFeatureMap(FeatureMap):
                              f"{bucket_balance_form!r}")  # fmt: skip
         self.bucket_balance_form = bucket_balance_form
         self.bucket_balance_temperature = bucket_balance_temperature
+        self.bucket_balance_inputs = bucket_balance_inputs
         if self.linear_offset != 1 and not self.linear_weight:
             raise ValueError("linear_offset needs linear_weight > 0 (it shapes the linear term)")
         log_t = torch.tensor(math.log(temperature) / self.temperature_rate, dtype=torch.float32)
@@ -355,8 +364,9 @@ class SoftHashFeatureMap(FeatureMap):
         logits = self._logits(x, key)
         phi = product_softmax(logits, self.factors)
         if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-            if not self.bucket_balance_temperature:
-                logits = self._logits(x, key, learn_tau=False)
+            if not (self.bucket_balance_temperature and self.bucket_balance_inputs):
+                inputs = x if self.bucket_balance_inputs else x.detach()
+                logits = self._logits(inputs, key, learn_tau=self.bucket_balance_temperature)
             deficit = BALANCE_FORMS[self.bucket_balance_form](logits, self.factors)
             phi = add_auxiliary_loss(phi, self.bucket_balance * deficit.mean())
         if self.linear_weight:
@@ -403,7 +413,8 @@ class SoftHashFeatureMap(FeatureMap):
             + (
                 f", bucket_balance={self.bucket_balance:g}, "
                 f"bucket_balance_form={self.bucket_balance_form!r}, "
-                f"bucket_balance_temperature={self.bucket_balance_temperature}"
+                f"bucket_balance_temperature={self.bucket_balance_temperature}, "
+                f"bucket_balance_inputs={self.bucket_balance_inputs}"
                 if self.bucket_balance
                 else ""
             )

@@ -137,8 +137,10 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
     if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-        if not template.bucket_balance_temperature:  # τ_h detached, W_h and x still learn
-            logits = x @ as_dtype(weight * scale.detach(), x.dtype)
+        if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
+            inputs = x if template.bucket_balance_inputs else x.detach()  # W_h always learns
+            held = scale if template.bucket_balance_temperature else scale.detach()  # τ_h
+            logits = inputs @ as_dtype(weight * held, x.dtype)
         deficit = BALANCE_FORMS[template.bucket_balance_form](logits, template.factors)  # (..., H)
         loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
         phi = add_auxiliary_loss(phi, loss)
