@@ -53,7 +53,7 @@ def test_answers_find_each_query_s_pair():
 def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     """A soft-hash far model trained by ``mqar --save-models`` is diagnosed per layer on its
     own validation set (the recall equals its run's); a model without a far branch gets no
-    row and is named; a model shorter than another setting's sequences is refused."""
+    row and is named; a model shorter, or longer, than the setting's sequences is refused."""
     saved, out = tmp_path / "models", tmp_path / "diag"
     specs = ["soft_hash_far_local_tied:chunk_size=8,global_heads=2", "softmax"]
     argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--out",
@@ -103,6 +103,21 @@ def test_mqar_diagnose_reads_saved_models(tmp_path, capsys):
     assert long_context.main(argv) == 2
     assert "does not fit the --setting's sequences" in capsys.readouterr().err
     assert not (tmp_path / "too_long" / "mqar_diagnose.csv").exists()
+    # a model trained on longer sequences than the setting's (a full curriculum's, diagnosed
+    # at the screen's T): refused, not read on sequences it was not trained on
+    longer = tmp_path / "longer"
+    argv = ["mqar", "--smoke", "--no-progress", "--setting", "curriculum256", "--seq-len", "48",
+            "--out", str(tmp_path / "mqar48"), "--lrs", "0.003", "--save-models", str(longer),
+            "--attentions", specs[0]]  # fmt: skip
+    assert long_context.main(argv) == 0
+    capsys.readouterr()
+    ckpt = longer / mqar_sweep.run_name(specs[0], 0.003) / "ckpt.pt"
+    argv = ["mqar-diagnose", "--smoke", "--setting", "curriculum256", "--examples", "1",
+            "--out", str(tmp_path / "shorter"), str(ckpt)]  # fmt: skip
+    assert long_context.main(argv) == 2
+    assert "trained on T = 48 sequences, --setting curriculum256's have T = 32" in (
+        capsys.readouterr().err)  # fmt: skip
+    assert not (tmp_path / "shorter" / "mqar_diagnose.csv").exists()
 
 
 def test_mqar_diagnose_refuses_bad_options(tmp_path, capsys):

@@ -63,6 +63,10 @@ def _run(args, argv) -> int:
         model, _ = load_model(path, device="cpu")
         if model.config.vocab_size < data.vocab_size or model.config.block_size < inputs.shape[1]:
             raise ValueError(f"{path}: its model does not fit the --setting's sequences")
+        if model.config.block_size != inputs.shape[1]:  # trained on another setting's length
+            raise ValueError(f"{path}: its model was trained on T = {model.config.block_size} "
+                             f"sequences, --setting {args.setting}'s have T = {inputs.shape[1]}; "
+                             "pass the --setting it was trained in")  # fmt: skip
         name = f"{path.parent.parent.name}/{path.parent.name}"  # DIR/<attention>_lr<lr>
         found = diagnose_mqar(
             model, inputs, targets, settings["num_kv_pairs"], per_head=args.per_head
