@@ -100,6 +100,18 @@ def test_state_dict_round_trip_and_to_float64():
     assert a64.query(x.double()).dtype == torch.float64
 
 
+def test_the_repr_names_every_option_of_the_heads_maps():
+    """The heads' own maps live in a stacked state (no submodule shows them): the repr names
+    their options, e.g. a training-only loss that changes no output."""
+    heads = MultiHeadFeatureMap("soft_hash", 8, 2, num_features=6, bucket_balance=0.01,
+                                bucket_balance_form="usage")  # fmt: skip
+    assert heads.vectorized
+    text = repr(heads)
+    assert "bucket_balance=0.01" in text and "bucket_balance_form='usage'" in text
+    assert "num_features=6" in text
+    assert ", num_features" not in repr(MultiHeadFeatureMap("soft_hash", 8, 2))
+
+
 def test_redraw_changes_buffers_reproducibly():
     a = MultiHeadFeatureMap("polysketch", D, H, seed=0)
     b = MultiHeadFeatureMap("polysketch", D, H, seed=0)

@@ -113,6 +113,7 @@ class MultiHeadFeatureMap(nn.Module):
         self.num_heads = check_positive_int(num_heads, "num_heads")
         self.seed = check_seed(seed)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
+        self.map_kwargs = dict(map_kwargs)  # every head's options (shown in the repr)
         if "seed" in map_kwargs or "generator" in map_kwargs:
             raise ValueError("map_kwargs must not contain seed/generator: pass seed= instead")
 
@@ -290,6 +291,7 @@ class MultiHeadFeatureMap(nn.Module):
             f"name={self.name!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
             f"feature_dim={self.feature_dim}, square={self.square}, "
             f"vectorized={self.vectorized}, seed={self.seed}, layer_index={self.layer_index}"
+            + "".join(f", {k}={v!r}" for k, v in sorted(self.map_kwargs.items()))
         )
 
 
