@@ -263,18 +263,18 @@ def test_the_training_loop_weighs_the_auxiliary_loss_as_each_micro_batch_loss(
     """``train`` back-propagates loss / n for each of n micro-batches, and runs each forward
     under ``auxiliary_loss_scale(1 / n)``, so the bucket balance is averaged as the loss is
     (without the scale it would weigh n×)."""
-    from polysketch import _auxiliary
     from polysketch.data.corpus import load_corpus
+    from polysketch.nn import heads_batched
     from polysketch.train import TrainConfig, train
 
-    seen = []  # the scale each auxiliary gradient is back-propagated with
-    backward = _auxiliary._AddAuxiliaryLoss.backward
+    seen = []  # the gradient each auxiliary loss is back-propagated with: its scale
 
-    def recording(ctx, grad):
-        seen.append(ctx.scale)
-        return backward(ctx, grad)
+    def recording(x, loss):
+        loss.register_hook(lambda g: seen.append(float(g)))
+        return add_auxiliary_loss(x, loss)
 
-    monkeypatch.setattr(_auxiliary._AddAuxiliaryLoss, "backward", staticmethod(recording))
+    monkeypatch.setattr(heads_batched, "add_auxiliary_loss", recording)
+    monkeypatch.setattr(soft_hash, "add_auxiliary_loss", recording)
     text = tmp_path / "tiny.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     model = TransformerConfig(attention="soft_hash_far_local_tied", vocab_size=256,
@@ -286,3 +286,30 @@ def test_the_training_loop_weighs_the_auxiliary_loss_as_each_micro_batch_loss(
     # queries and keys of each micro-batch's far branch, once each (the backward recomputes the
     # forward outside the scale's block: the scale is the one kept from the first forward)
     assert seen == [1 / grad_accum] * (2 * grad_accum)
+
+
+def test_a_compiled_model_with_the_balance_has_eager_gradients_at_each_scale():
+    """torch.compile(fullgraph=True) traces the balance (the scale is a global float, not a
+    ContextVar it cannot trace): a compiled model's gradients equal eager ones at the scale in
+    force, not at the one it was first compiled with."""
+    torch._dynamo.reset()
+    maps = {"num_features": 8, "bucket_balance": 0.5, "bucket_balance_form": "usage",
+            "bucket_balance_temperature": False}  # fmt: skip
+    cfg = TransformerConfig(n_layer=1, n_head=2, n_embd=32, attention="soft_hash",
+                            chunk_size=16, map_kwargs=maps)  # fmt: skip
+    model = TransformerLM(cfg).double()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    seen = []
+    for scale in (1.0, 0.25):
+        with auxiliary_loss_scale(scale):
+            got = torch.autograd.grad(compiled(idx, idx)[1], params, allow_unused=True)
+            want = torch.autograd.grad(model(idx, idx)[1], params, allow_unused=True)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        seen.append(want)
+    moved = [(a - b).abs().max() for a, b in zip(*seen, strict=True) if a is not None]
+    assert max(moved) > 1e-6  # the scale weighs the balance's gradient

@@ -10,7 +10,10 @@ the parameters receive ∇(L + s·L_aux) for whatever loss L was back-propagated
 The scale s matches the main loss's own scaling: a training loop that back-propagates
 L / n for each of n micro-batches (gradient accumulation) sets ``auxiliary_loss_scale(1 / n)``
 around the forward, so the auxiliary loss is averaged over micro-batches as L is. The scale is
-read at the forward and kept for the backward (a recomputed forward does not re-read it).
+read at the forward, where the loss is multiplied by it (so the backward, a recomputed one
+included, uses the forward's). It is a module-level float, not a ``ContextVar``:
+``torch.compile`` cannot trace ``ContextVar.get`` (a graph break, an error under
+``fullgraph=True``), while it reads a global float as a guarded constant or a symbolic one.
 
 The auxiliary gradient flows only if x is on the path of the loss being back-propagated, and
 once per backward through x.
@@ -19,14 +22,13 @@ once per backward through x.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import torch
 
 __all__ = ["add_auxiliary_loss", "auxiliary_loss_scale"]
 
-_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("auxiliary_loss_scale", default=1.0)
+_scale = 1.0  # the scale in force (auxiliary_loss_scale sets it for a block)
 
 
 @contextlib.contextmanager
@@ -34,29 +36,31 @@ def auxiliary_loss_scale(scale: float) -> Iterator[None]:
     """Within the block, auxiliary losses are back-propagated with weight ``scale`` (> 0)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    token = _SCALE.set(float(scale))
+    global _scale
+    previous, _scale = _scale, float(scale)
     try:
         yield
     finally:
-        _SCALE.reset(token)
+        _scale = previous
 
 
 class _AddAuxiliaryLoss(torch.autograd.Function):
-    """Identity on x; the backward also gives ``loss`` the gradient ``scale``."""
+    """Identity on x; the backward also gives ``loss`` the gradient 1 (the caller has scaled
+    it: a float held in the function's context is not traced by ``torch.compile``)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.scale, ctx.loss_dtype = inputs[2], inputs[1].dtype
+        ctx.loss_dtype = inputs[1].dtype
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=ctx.loss_dtype, device=grad.device), None
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
 
 
 def add_auxiliary_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -68,4 +72,4 @@ def add_auxiliary_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
     if not torch.is_grad_enabled():
         return x
-    return _AddAuxiliaryLoss.apply(x, loss, _SCALE.get())
+    return _AddAuxiliaryLoss.apply(x, loss * _scale)
