@@ -16,8 +16,9 @@ from polysketch.features.soft_hash import (
     SoftHashFeatureMap,
     information_deficit,
     usage_deficit,
+    usage_surrogate,
 )
-from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn import TransformerConfig, TransformerLM, heads_batched
 from polysketch.nn.core import AttentionCore
 from polysketch.nn.heads import MultiHeadFeatureMap
 
@@ -54,6 +55,33 @@ def test_the_deficit_is_log_f_minus_the_mutual_information_or_the_usage_entropy(
     for b in range(3):
         want = _deficit_by_definition(logits[b], factors, usage_only)
         torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)  # fp32 inside
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_the_surrogate_has_the_usage_deficits_gradient_in_the_logits_and_none_in_a_held_scale(
+    held,
+):
+    """usage_surrogate(softmax(z), z) against usage_deficit(z) in fp64, z = s·u: equal
+    gradients in u (sharp rows: τ-like scales up to 5); with the
+    scale held, s's gradient is 0, as usage_deficit(sg(s)·u)'s."""
+    g = torch.Generator().manual_seed(1)
+    u = (torch.randn(3, 2, 11, 7, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    s = torch.tensor([1.7, 0.6], dtype=torch.float64, requires_grad=True)  # per head (..., H)
+    z = s[:, None, None] * u
+    got = usage_surrogate(z.softmax(-1), z, s if held else None)
+    assert got.shape == (3, 2) and got.dtype == torch.float64
+    weights = torch.randn(3, 2, generator=g, dtype=torch.float64)  # any per-sequence weights
+    got_u, got_s = torch.autograd.grad((got * weights).sum(), [u, s])
+    z_ref = (s.detach() if held else s)[:, None, None] * u
+    want = (usage_deficit(z_ref, 1).double() * weights).sum()
+    (want_u,) = torch.autograd.grad(want, [u], retain_graph=True)
+    torch.testing.assert_close(got_u, want_u, rtol=1e-5, atol=1e-8)  # the deficit runs in fp32
+    if held:
+        torch.testing.assert_close(got_s, torch.zeros_like(s), rtol=0, atol=1e-13)
+    else:
+        (want_s,) = torch.autograd.grad(want, [s])
+        assert want_s.abs().min() > 1e-3
+        torch.testing.assert_close(got_s, want_s, rtol=1e-5, atol=1e-8)
 
 
 def test_the_deficit_is_zero_for_sure_and_even_buckets_and_log_f_for_collapse_or_uniform():
@@ -149,18 +177,24 @@ def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits
 def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monkeypatch):
     with_b, plain = _pair(0.5)
     x = torch.randn(1, 5, D, dtype=torch.float64)
-    heads = MultiHeadFeatureMap("soft_hash", D, 2, seed=1, num_features=6, bucket_balance=0.5)
+    usage = {"bucket_balance_form": "usage", "bucket_balance_temperature": False}
+    all_heads = [MultiHeadFeatureMap("soft_hash", D, 2, seed=1, num_features=6,
+                                     bucket_balance=0.5, **kw) for kw in ({}, usage)]  # fmt: skip
 
     def refuse(*args):
         raise AssertionError("the deficit was computed under no_grad")
 
     for form in soft_hash.BALANCE_FORMS:
         monkeypatch.setitem(soft_hash.BALANCE_FORMS, form, refuse)
+    monkeypatch.setattr(soft_hash, "usage_surrogate", refuse)
+    monkeypatch.setattr(heads_batched, "usage_surrogate", refuse)
     with torch.no_grad():  # evaluation and decoding pay nothing
         torch.testing.assert_close(with_b.query(x), plain.query(x), rtol=0, atol=0)
-        heads.query(torch.randn(1, 2, 5, D))
-    with pytest.raises(AssertionError, match="no_grad"):  # ... and with autograd it is called
-        heads.query(torch.randn(1, 2, 5, D))
+        for heads in all_heads:
+            heads.query(torch.randn(1, 2, 5, D))
+    for heads in all_heads:  # ... and with autograd it is called
+        with pytest.raises(AssertionError, match="no_grad"):
+            heads.query(torch.randn(1, 2, 5, D))
     monkeypatch.undo()
     one = torch.randn(1, 1, D, dtype=torch.float64)  # decoding: I = 0 for one token, no loss
     a = torch.autograd.grad(with_b.query(one).sum(), with_b.weight_q)[0]

@@ -115,13 +115,15 @@ positions count). Off (β = 0) by default.
 sharpness. It penalizes the collapse onto few buckets as (7) does, without rewarding sure
 tokens; unlike (7) it can be met by softening every token towards uniform, so it is meant
 with ``bucket_balance_temperature=False``: the balance's gradient then reaches the bucket
-directions W and the inputs x (and through x the layers below) but not this map's τ (its
-logits use τ detached, one more x W product per call while training), so that τ learns from
-the model's loss alone. That flag applies to (7) too (the sharpening measured there came
-through τ). With ``bucket_balance_inputs=False`` the balance's logits also use x detached: its
-gradient then reaches W alone (and τ unless held out), so it cannot make the layers below
-widen each token's buckets, which is how (8) at β = 0.01 delayed the copy probe's onset
-(measured in ``docs/results/long_context/README.md`` section 5).
+directions W and the inputs x (and through x the layers below) but not this map's τ (as if its
+logits used τ detached), so that τ learns from the model's loss alone. That flag applies to
+(7) too (the sharpening measured there came through τ). Eq. 8 costs no second softmax nor
+x W product: ``usage_surrogate`` gives its gradient from the features already made, joined
+to theirs before their softmax's backward, and takes back what would reach τ. With
+``bucket_balance_inputs=False`` the balance's logits also use x detached: its gradient then
+reaches W alone (and τ unless held out), so it cannot make the layers below widen each
+token's buckets, which is how (8) at β = 0.01 delayed the copy probe's onset (measured in
+``docs/results/long_context/README.md`` section 5).
 
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
@@ -144,7 +146,7 @@ from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "BALANCE_FORMS", "SoftHashFeatureMap", "information_deficit", "product_softmax",
-    "unit_directions", "usage_deficit",
+    "unit_directions", "usage_deficit", "usage_surrogate",
 ]  # fmt: skip
 
 
@@ -188,6 +190,45 @@ def usage_deficit(logits: torch.Tensor, factors: int) -> torch.Tensor:
 
 BALANCE_FORMS = {"information": information_deficit, "usage": usage_deficit}
 """``bucket_balance_form`` -> its deficit: Eq. 7's log F − I, or Eq. 8's log F − H(ū)."""
+
+
+def usage_surrogate(
+    phi: torch.Tensor, logits: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A stand-in for Eq. 8's deficit with the same gradient, from the features φ = softmax(z)
+    (..., T, F) a map has already made: -> (...,) per sequence, in float32 (float64 for float64
+    features).
+
+    With ū = (1/T) Σ_t φ_t and h_f = ∂(Σ_f ū_f log ū_f)/∂ū_f = log ū_f + 1 (as ``_entropy``
+    differentiates it: log max(ū_f, tiny), + 1 where ū_f > tiny), log F − H(ū) has the gradient
+    h_f / T at every φ_tf, which the stand-in S = (1/T) Σ_tf sg(h_f) φ_tf gives as well: its
+    gradient joins the features' own at φ and crosses their softmax and the x W product once,
+    where ``usage_deficit(z)`` makes the softmax and its backward again (and, with τ held out,
+    two more x W products). Its value is not the deficit's (it only carries the gradient).
+
+    ``scale``: the s of z = s·u (τ/√D, per sequence or broadcastable to (...,)) whose gradient
+    the balance must not reach (``bucket_balance_temperature=False``); only for F buckets of
+    one factor (φ the plain softmax of z). S then subtracts sg(∂S/∂s)·s, with
+    ∂S/∂s = (1/T) Σ_tf u_tf φ_tf (h_f − c_t), c_t = Σ_f φ_tf h_f (∂φ_tf/∂s = φ_tf(u_tf −
+    Σ_f' φ_tf' u_tf')): s's gradient is then the task's alone, the rest as if z were
+    computed with s detached."""
+    phi32 = phi.to(torch.promote_types(phi.dtype, torch.float32))
+    tokens = phi.shape[-2]
+    totals = phi32.sum(-2)  # T ū: (..., F)
+    usage = totals.detach() / tokens
+    tiny = torch.finfo(usage.dtype).tiny
+    h = usage.clamp_min(tiny).log() + (usage > tiny).to(usage.dtype)  # (..., F)
+    # S = Σ_f sg(h_f / T) (T ū_f): its gradient at φ_tf is h_f / T, an expanded view (no pass)
+    surrogate = (totals * (h / tokens)).sum(-1)
+    if scale is None:
+        return surrogate
+    p = phi32.detach()
+    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
+    weighted = logits.detach().to(p.dtype) * p  # s·u_tf φ_tf
+    spread = torch.einsum("...tf,...f->...t", weighted, h) - per_token * weighted.sum(-1)
+    d_scale = spread.sum(-1) / tokens  # s · ∂S/∂s
+    held = scale.detach().to(p.dtype)
+    return surrogate - (d_scale / held).detach() * scale.to(p.dtype)
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -337,13 +378,24 @@ class SoftHashFeatureMap(FeatureMap):
         """τ = exp(r·θ), the current temperature (θ = ``log_temperature``, r its rate)."""
         return float((self.log_temperature.detach() * self.temperature_rate).exp())
 
+    def _logit_scale(self) -> torch.Tensor:
+        """τ / √D, the scale of the logits (a differentiable scalar tensor)."""
+        return (self.log_temperature * self.temperature_rate).exp() / math.sqrt(self.dim)
+
+    @property
+    def balance_reuses_features(self) -> bool:
+        """The balance is computed from the features themselves (``usage_surrogate``): Eq. 8
+        with its gradient reaching x, and τ either reached or (one factor) held out."""
+        return (self.bucket_balance_form == "usage" and self.bucket_balance_inputs
+                and (self.bucket_balance_temperature or self.factors == 1))  # fmt: skip
+
     def _logits(self, x: torch.Tensor, key: bool, *, learn_tau: bool = True) -> torch.Tensor:
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
         unless x has fewer rows than D (a decoding step); ``learn_tau=False``: τ detached."""
         w = self.weight_k if key and not self.shared else self.weight_q
         if self.unit_directions:
             w = unit_directions(w, self.dim)
-        scale = (self.log_temperature * self.temperature_rate).exp() / math.sqrt(self.dim)
+        scale = self._logit_scale()
         if not learn_tau:
             scale = scale.detach()
         if x.dim() >= 2 and x.shape[-2] < self.dim:
@@ -364,10 +416,14 @@ class SoftHashFeatureMap(FeatureMap):
         logits = self._logits(x, key)
         phi = product_softmax(logits, self.factors)
         if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-            if not (self.bucket_balance_temperature and self.bucket_balance_inputs):
-                inputs = x if self.bucket_balance_inputs else x.detach()
-                logits = self._logits(inputs, key, learn_tau=self.bucket_balance_temperature)
-            deficit = BALANCE_FORMS[self.bucket_balance_form](logits, self.factors)
+            if self.balance_reuses_features:  # from φ itself (τ's gradient taken back if held)
+                held = None if self.bucket_balance_temperature else self._logit_scale()
+                deficit = usage_surrogate(phi, logits, held)
+            else:
+                if not (self.bucket_balance_temperature and self.bucket_balance_inputs):
+                    inputs = x if self.bucket_balance_inputs else x.detach()
+                    logits = self._logits(inputs, key, learn_tau=self.bucket_balance_temperature)
+                deficit = BALANCE_FORMS[self.bucket_balance_form](logits, self.factors)
             phi = add_auxiliary_loss(phi, self.bucket_balance * deficit.mean())
         if self.linear_weight:
             phi = torch.cat([phi, self.linear_features(x).to(phi.dtype)], dim=-1)

@@ -42,6 +42,7 @@ from ..features.soft_hash import (
     SoftHashFeatureMap,
     product_softmax,
     unit_directions,
+    usage_surrogate,
 )
 
 __all__ = ["batched_form"]
@@ -137,11 +138,15 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
     if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-        if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
-            inputs = x if template.bucket_balance_inputs else x.detach()  # W_h always learns
-            held = scale if template.bucket_balance_temperature else scale.detach()  # τ_h
-            logits = inputs @ as_dtype(weight * held, x.dtype)
-        deficit = BALANCE_FORMS[template.bucket_balance_form](logits, template.factors)  # (..., H)
+        if template.balance_reuses_features:  # from φ itself, τ_h's gradient taken back
+            held = None if template.bucket_balance_temperature else scale.reshape(-1)  # (H,)
+            deficit = usage_surrogate(phi, logits, held)  # (..., H)
+        else:
+            if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
+                inputs = x if template.bucket_balance_inputs else x.detach()  # W_h learns
+                held = scale if template.bucket_balance_temperature else scale.detach()  # τ_h
+                logits = inputs @ as_dtype(weight * held, x.dtype)
+            deficit = BALANCE_FORMS[template.bucket_balance_form](logits, template.factors)
         loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
         phi = add_auxiliary_loss(phi, loss)
     if template.linear_weight:  # Eqs. 5–6's √(α/(1 + c))(√c, x/‖x‖), the same for every head
