@@ -8,6 +8,7 @@ import torch
 
 from polysketch._checks import parse_key_values
 from polysketch.cli import main
+from polysketch.commands import train as train_command
 from polysketch.data.tokenizer import ByteTokenizer
 from polysketch.nn import MODEL_PRESETS
 from polysketch.train import load_checkpoint, load_model
@@ -280,6 +281,39 @@ def test_train_and_generate_with_the_far_preset_and_its_surrogate(tmp_path, caps
     assert main(["generate", "--checkpoint", str(out / "ckpt.pt"), "--prompt", "abcdefghijk",
                  "--max-new-tokens", "3"]) == 0  # fmt: skip
     capsys.readouterr()
+
+
+def test_flush_denormals_is_in_force_for_the_run_only_and_refused_where_unsupported(
+    tmp_path, capsys, monkeypatch
+):
+    calls, seen = [], []
+    real = torch.set_flush_denormal
+    real_train = train_command.train
+
+    def record(flag):
+        calls.append(flag)
+        return real(flag)
+
+    def train_and_look(*args, **kwargs):  # a subnormal inside the run reads 0
+        seen.append((torch.tensor(1e-39) * torch.tensor(1.0)).item())
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "set_flush_denormal", record)
+    monkeypatch.setattr(train_command, "train", train_and_look)
+    out = tmp_path / "flush"
+    assert main(["train", "--attention", "psf_random", "--steps", "1", "--out", str(out),
+                 "--flush-denormals", *TINY]) == 0  # fmt: skip
+    assert calls == [True, False] and seen == [0.0]
+    assert (torch.tensor(1e-39) * torch.tensor(1.0)).item() > 0  # undone after the run
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2", "--no-progress",
+                 "--flush-denormals"]) == 0  # fmt: skip
+    assert calls == [True, False, True, False]
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda flag: False)  # a CPU without SSE3
+    capsys.readouterr()
+    assert main(["train", "--attention", "psf_random", "--steps", "1", "--out",
+                 str(tmp_path / "none"), "--flush-denormals", *TINY]) == 2  # fmt: skip
+    assert "--flush-denormals" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 def test_train_takes_a_model_preset(tmp_path, capsys):
