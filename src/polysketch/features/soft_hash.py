@@ -204,7 +204,8 @@ def usage_surrogate(
     h_f / T at every φ_tf, which the stand-in S = (1/T) Σ_tf sg(h_f) φ_tf gives as well: its
     gradient joins the features' own at φ and crosses their softmax and the x W product once,
     where ``usage_deficit(z)`` makes the softmax and its backward again (and, with τ held out,
-    two more x W products). Its value is not the deficit's (it only carries the gradient).
+    one more x W product and the two of its backward). Its value is not the deficit's (it
+    only carries the gradient).
 
     ``scale``: the s of z = s·u (τ/√D, per sequence or broadcastable to (...,)) whose gradient
     the balance must not reach (``bucket_balance_temperature=False``); only for F buckets of
