@@ -16,6 +16,7 @@ from polysketch.features.soft_hash import (
     SoftHashFeatureMap,
     information_deficit,
     usage_deficit,
+    usage_direction_surrogate,
     usage_surrogate,
 )
 from polysketch.nn import TransformerConfig, TransformerLM, heads_batched
@@ -84,6 +85,35 @@ def test_the_surrogate_has_the_usage_deficits_gradient_in_the_logits_and_none_in
         torch.testing.assert_close(got_s, want_s, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_the_direction_surrogate_has_the_usage_deficits_gradient_in_w_and_none_in_x(held):
+    """usage_direction_surrogate(softmax(z), x, W, s) against Eq. 8's deficit by definition in
+    fp64, z = s·x W with x detached, per head W_h and s_h: equal gradients in W and (unless
+    held) s; none in x nor, held, in s."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 2, 11, 5, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    w = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)  # (H, D, F)
+    s = torch.tensor([1.3, 0.4], dtype=torch.float64, requires_grad=True)  # per head
+    scale = s.detach() if held else s
+    z = scale[:, None, None] * (x @ w)
+    got = usage_direction_surrogate(z.softmax(-1), x, w, scale)
+    assert got.shape == (3, 2) and got.dtype == torch.float64
+    weights = torch.randn(3, 2, generator=g, dtype=torch.float64)  # any per-sequence weights
+    got_w, got_s, got_x = torch.autograd.grad((got * weights).sum(), [w, s, x], allow_unused=True)
+    assert got_x is None  # the inputs are held out
+    z_ref = scale[:, None, None] * (x.detach() @ w)
+    want = sum(weights[b, h] * _deficit_by_definition(z_ref[b, h], 1, usage_only=True)
+               for b in range(3) for h in range(2))  # fmt: skip
+    want_w, want_s = torch.autograd.grad(want, [w, s], allow_unused=True)
+    assert want_w.abs().max() > 1e-3
+    torch.testing.assert_close(got_w, want_w, rtol=1e-10, atol=1e-12)  # fp64 both
+    if held:
+        assert got_s is None and want_s is None
+    else:
+        assert want_s.abs().min() > 1e-3
+        torch.testing.assert_close(got_s, want_s, rtol=1e-10, atol=1e-12)
+
+
 def test_the_deficit_is_zero_for_sure_and_even_buckets_and_log_f_for_collapse_or_uniform():
     f = 8
     sure_even = torch.eye(f) * 200.0  # token t sure of bucket t, each bucket once
@@ -117,8 +147,10 @@ def _pair(beta, **kw):
 
 @pytest.mark.parametrize("form,through_tau,through_x", [
     ("information", True, True), ("information", False, True), ("usage", False, True),
-    ("usage", True, True), ("usage", False, False), ("information", True, False)])  # fmt: skip
-@pytest.mark.parametrize("kw", [{}, {"factors": 2, "num_features": 9}, {"linear_weight": 0.1}])
+    ("usage", True, True), ("usage", False, False), ("usage", True, False),
+    ("information", True, False)])  # fmt: skip
+@pytest.mark.parametrize("kw", [{}, {"factors": 2, "num_features": 9}, {"linear_weight": 0.1},
+                                {"unit_directions": True}])  # fmt: skip
 def test_values_unchanged_and_gradients_are_those_of_the_loss_plus_beta_deficits(
     kw, form, through_tau, through_x
 ):
@@ -178,16 +210,19 @@ def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monke
     with_b, plain = _pair(0.5)
     x = torch.randn(1, 5, D, dtype=torch.float64)
     usage = {"bucket_balance_form": "usage", "bucket_balance_temperature": False}
+    held_x = {**usage, "bucket_balance_inputs": False}
     all_heads = [MultiHeadFeatureMap("soft_hash", D, 2, seed=1, num_features=6,
-                                     bucket_balance=0.5, **kw) for kw in ({}, usage)]  # fmt: skip
+                                     bucket_balance=0.5, **kw)
+                 for kw in ({}, usage, held_x)]  # fmt: skip
 
     def refuse(*args):
         raise AssertionError("the deficit was computed under no_grad")
 
     for form in soft_hash.BALANCE_FORMS:
         monkeypatch.setitem(soft_hash.BALANCE_FORMS, form, refuse)
-    monkeypatch.setattr(soft_hash, "usage_surrogate", refuse)
-    monkeypatch.setattr(heads_batched, "usage_surrogate", refuse)
+    for module in (soft_hash, heads_batched):
+        monkeypatch.setattr(module, "usage_surrogate", refuse)
+        monkeypatch.setattr(module, "usage_direction_surrogate", refuse)
     with torch.no_grad():  # evaluation and decoding pay nothing
         torch.testing.assert_close(with_b.query(x), plain.query(x), rtol=0, atol=0)
         for heads in all_heads:
@@ -221,7 +256,8 @@ def test_the_scale_in_force_at_the_forward_weighs_the_auxiliary_gradient():
 
 
 @pytest.mark.parametrize("form,through_tau,through_x", [
-    ("information", True, True), ("usage", False, True), ("usage", False, False)])  # fmt: skip
+    ("information", True, True), ("usage", False, True), ("usage", False, False),
+    ("usage", True, False)])  # fmt: skip
 @pytest.mark.parametrize("factors", [1, 2])
 def test_every_multi_head_path_gives_each_head_its_own_loss(factors, form, through_tau, through_x):
     """Batched heads and vmap: the same features and gradients, equal to those of the sum over

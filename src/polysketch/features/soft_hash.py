@@ -123,7 +123,8 @@ to theirs before their softmax's backward, and takes back what would reach τ. W
 ``bucket_balance_inputs=False`` the balance's logits also use x detached: its gradient then
 reaches W alone (and τ unless held out), so it cannot make the layers below widen each
 token's buckets, which is how (8) at β = 0.01 delayed the copy probe's onset (measured in
-``docs/results/long_context/README.md`` section 5).
+``docs/results/long_context/README.md`` section 5); with one factor that costs one xᵀg
+product (``usage_direction_surrogate``: g the deficit's gradient in the logits, from φ).
 
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
@@ -146,7 +147,8 @@ from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "BALANCE_FORMS", "SoftHashFeatureMap", "information_deficit", "product_softmax",
-    "unit_directions", "usage_deficit", "usage_surrogate",
+    "unit_directions", "usage_deficit", "usage_direction_surrogate", "usage_logit_gradient",
+    "usage_surrogate",
 ]  # fmt: skip
 
 
@@ -192,6 +194,24 @@ BALANCE_FORMS = {"information": information_deficit, "usage": usage_deficit}
 """``bucket_balance_form`` -> its deficit: Eq. 7's log F − I, or Eq. 8's log F − H(ū)."""
 
 
+def _usage_slope(usage: torch.Tensor) -> torch.Tensor:
+    """h_f = ∂(Σ_f ū_f log ū_f)/∂ū_f = log ū_f + 1 as ``_entropy`` differentiates it: log
+    max(ū_f, tiny), + 1 where ū_f > tiny."""
+    tiny = torch.finfo(usage.dtype).tiny
+    return usage.clamp_min(tiny).log() + (usage > tiny).to(usage.dtype)
+
+
+def usage_logit_gradient(phi: torch.Tensor) -> torch.Tensor:
+    """∂(log F − H(ū))/∂z_tf = φ_tf (h_f − c_t) / T of Eq. 8 for φ = softmax(z) (..., T, F) of one
+    factor, from φ alone (no graph): -> (..., T, F) in float32 (float64 for float64 φ); h_f
+    as in ``usage_surrogate``, c_t = Σ_f φ_tf h_f (∂φ_tf/∂z_tf' = φ_tf(δ_ff' − φ_tf'))."""
+    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
+    tokens = p.shape[-2]
+    h = _usage_slope(p.mean(-2))  # (..., F)
+    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
+    return p * (h.unsqueeze(-2) - per_token.unsqueeze(-1)) / tokens
+
+
 def usage_surrogate(
     phi: torch.Tensor, logits: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -210,26 +230,40 @@ def usage_surrogate(
     ``scale``: the s of z = s·u (τ/√D, per sequence or broadcastable to (...,)) whose gradient
     the balance must not reach (``bucket_balance_temperature=False``); only for F buckets of
     one factor (φ the plain softmax of z). S then subtracts sg(∂S/∂s)·s, with
-    ∂S/∂s = (1/T) Σ_tf u_tf φ_tf (h_f − c_t), c_t = Σ_f φ_tf h_f (∂φ_tf/∂s = φ_tf(u_tf −
-    Σ_f' φ_tf' u_tf')): s's gradient is then the task's alone, the rest as if z were
-    computed with s detached."""
+    s·∂S/∂s = Σ_tf z_tf g_tf, g = ``usage_logit_gradient(φ)``: s's gradient is then the
+    task's alone, the rest as if z were computed with s detached."""
     phi32 = phi.to(torch.promote_types(phi.dtype, torch.float32))
     tokens = phi.shape[-2]
     totals = phi32.sum(-2)  # T ū: (..., F)
-    usage = totals.detach() / tokens
-    tiny = torch.finfo(usage.dtype).tiny
-    h = usage.clamp_min(tiny).log() + (usage > tiny).to(usage.dtype)  # (..., F)
+    h = _usage_slope(totals.detach() / tokens)  # (..., F)
     # S = Σ_f sg(h_f / T) (T ū_f): its gradient at φ_tf is h_f / T, an expanded view (no pass)
     surrogate = (totals * (h / tokens)).sum(-1)
     if scale is None:
         return surrogate
-    p = phi32.detach()
-    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
-    weighted = logits.detach().to(p.dtype) * p  # s·u_tf φ_tf
-    spread = torch.einsum("...tf,...f->...t", weighted, h) - per_token * weighted.sum(-1)
-    d_scale = spread.sum(-1) / tokens  # s · ∂S/∂s
-    held = scale.detach().to(p.dtype)
-    return surrogate - (d_scale / held).detach() * scale.to(p.dtype)
+    g = usage_logit_gradient(phi)
+    d_scale = (logits.detach().to(g.dtype) * g).sum((-1, -2))  # s · ∂S/∂s
+    held = scale.detach().to(g.dtype)
+    return surrogate - (d_scale / held).detach() * scale.to(g.dtype)
+
+
+def usage_direction_surrogate(
+    phi: torch.Tensor, x: torch.Tensor, directions: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """A stand-in for Eq. 8's deficit whose gradient reaches the bucket directions (and the
+    scale) but not the inputs (``bucket_balance_inputs=False``), for logits z = s · x W of one
+    factor and their features φ = softmax(z) (..., T, F): -> (...,) per sequence, in float32
+    (float64 for float64 features).
+
+    With g = ∂(log F − H(ū))/∂z (``usage_logit_gradient``) and x held, the deficit's gradient
+    is s xᵀg at W and Σ_tf g_tf (x W)_tf at s, both those of S = s Σ_df W_df sg(xᵀg)_df: one
+    T × D × F product (xᵀg), where the deficit recomputed from x detached costs the x W
+    product, its softmax, and both again in its backward. ``directions``: W (D, F) or
+    broadcastable per head (H, D, F); ``scale``: s broadcastable to (...,), detached by the
+    caller when τ is held out. Its value is not the deficit's (it only carries the
+    gradient)."""
+    g = usage_logit_gradient(phi)
+    slope = torch.einsum("...td,...tf->...df", x.detach().to(g.dtype), g)  # xᵀg per sequence
+    return scale.to(g.dtype) * (slope * directions.to(g.dtype)).sum((-1, -2))
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -385,17 +419,23 @@ class SoftHashFeatureMap(FeatureMap):
 
     @property
     def balance_reuses_features(self) -> bool:
-        """The balance is computed from the features themselves (``usage_surrogate``): Eq. 8
-        with its gradient reaching x, and τ either reached or (one factor) held out."""
-        return (self.bucket_balance_form == "usage" and self.bucket_balance_inputs
-                and (self.bucket_balance_temperature or self.factors == 1))  # fmt: skip
+        """The balance is computed from the features themselves: Eq. 8 through ``usage_surrogate``
+        (gradient reaching x; τ reached, or held out with one factor) or, with the inputs held
+        out and one factor, ``usage_direction_surrogate``."""
+        if self.bucket_balance_form != "usage":
+            return False
+        return self.factors == 1 or (self.bucket_balance_inputs and self.bucket_balance_temperature)
+
+    def _directions(self, key: bool) -> torch.Tensor:
+        """W (D, m·B): the key weights for keys unless shared, each column to norm √D when
+        ``unit_directions``."""
+        w = self.weight_k if key and not self.shared else self.weight_q
+        return unit_directions(w, self.dim) if self.unit_directions else w
 
     def _logits(self, x: torch.Tensor, key: bool, *, learn_tau: bool = True) -> torch.Tensor:
         """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
         unless x has fewer rows than D (a decoding step); ``learn_tau=False``: τ detached."""
-        w = self.weight_k if key and not self.shared else self.weight_q
-        if self.unit_directions:
-            w = unit_directions(w, self.dim)
+        w = self._directions(key)
         scale = self._logit_scale()
         if not learn_tau:
             scale = scale.detach()
@@ -417,9 +457,13 @@ class SoftHashFeatureMap(FeatureMap):
         logits = self._logits(x, key)
         phi = product_softmax(logits, self.factors)
         if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-            if self.balance_reuses_features:  # from φ itself (τ's gradient taken back if held)
+            if self.balance_reuses_features and self.bucket_balance_inputs:  # from φ itself
                 held = None if self.bucket_balance_temperature else self._logit_scale()
-                deficit = usage_surrogate(phi, logits, held)
+                deficit = usage_surrogate(phi, logits, held)  # τ's gradient taken back if held
+            elif self.balance_reuses_features:  # W (and τ unless held) from φ and x detached
+                scale = self._logit_scale()
+                scale = scale if self.bucket_balance_temperature else scale.detach()
+                deficit = usage_direction_surrogate(phi, x, self._directions(key), scale)
             else:
                 if not (self.bucket_balance_temperature and self.bucket_balance_inputs):
                     inputs = x if self.bucket_balance_inputs else x.detach()

@@ -42,6 +42,7 @@ from ..features.soft_hash import (
     SoftHashFeatureMap,
     product_softmax,
     unit_directions,
+    usage_direction_surrogate,
     usage_surrogate,
 )
 
@@ -138,9 +139,13 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
     if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-        if template.balance_reuses_features:  # from φ itself, τ_h's gradient taken back
-            held = None if template.bucket_balance_temperature else scale.reshape(-1)  # (H,)
+        reuse, through_tau = template.balance_reuses_features, template.bucket_balance_temperature
+        if reuse and template.bucket_balance_inputs:  # from φ itself, τ_h's taken back if held
+            held = None if through_tau else scale.reshape(-1)  # (H,)
             deficit = usage_surrogate(phi, logits, held)  # (..., H)
+        elif reuse:  # W_h (and τ_h unless held) from φ and x detached
+            held = (scale if through_tau else scale.detach()).reshape(-1)  # (H,)
+            deficit = usage_direction_surrogate(phi, x, weight, held)  # (..., H)
         else:
             if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
                 inputs = x if template.bucket_balance_inputs else x.detach()  # W_h learns
