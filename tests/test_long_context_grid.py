@@ -6,6 +6,7 @@ import math
 import long_context
 import pytest
 import torch
+from experiments.long_context.cli import command_line
 from experiments.long_context.grid import (
     LN26,
     ONSET_LOSS,
@@ -300,6 +301,9 @@ def test_grid_smoke_writes_its_tables_and_resumes(tmp_path, capsys):
     assert [(r["schedule"], r["seed"], r["attention"]) for r in more[len(cells) :]] == [
         ("constant", "1", "softmax")
     ]
+    # the report names both calls that wrote rows (not the --report-only nor the empty one)
+    calls = [line for line in (out / "grid.md").read_text().splitlines() if line.startswith("- `")]
+    assert calls == [f"- `{command_line(argv)}`", f"- `{command_line(more_argv)}`"]
 
 
 def test_grid_refuses_bad_options(tmp_path, capsys):

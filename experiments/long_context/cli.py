@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_common", "out_dir", "guarded", "command_line", "header"]
+__all__ = ["add_common", "out_dir", "guarded", "command_line", "header", "record_command"]
 
 
 def add_common(parser: argparse.ArgumentParser, table: str) -> None:
@@ -58,20 +58,43 @@ def command_line(argv) -> str:
     return "python benchmarks/long_context.py " + shlex.join(args)
 
 
+def record_command(path: Path, argv, *, wrote: bool, fresh: bool = False) -> list[str]:
+    """The commands that wrote rows into a resumable table, kept one per line in ``path``
+    (``TABLE.commands.txt`` beside its CSV): this call's ``command_line(argv)`` is appended
+    when it ``wrote`` rows and is not there yet; ``fresh`` (``--overwrite``) starts the list
+    over. -> the list, oldest first (this call's command alone when none is recorded: a
+    table written before the list was kept)."""
+    this = command_line(argv)
+    known = [] if fresh or not path.exists() else path.read_text().splitlines()
+    if wrote and this not in known:
+        known.append(this)
+        path.write_text("".join(line + "\n" for line in known))
+    return known or [this]
+
+
 def header(
     title: str, argv, *, cpu_s: float, extra: list[str] = (), resumable: bool = True,
-    rows_cpu: bool | None = None,
+    rows_cpu: bool | None = None, commands: list[str] | None = None,
 ) -> str:  # fmt: skip
     """The markdown header: title, command, threads and CPU time (of the CSV's rows, or of
     this run when the output is not a resumable table; ``rows_cpu`` overrides: a table
-    gathered from others reports its rows' CPU time without being resumable)."""
+    gathered from others reports its rows' CPU time without being resumable). ``commands``:
+    every call that wrote the table's rows (``record_command``), listed when more than one."""
     note = " (add `--reuse` to continue a stopped run)" if resumable else ""
     rows_cpu = resumable if rows_cpu is None else rows_cpu
     what = "of the rows in the CSV" if rows_cpu else "of this run"
+    if commands and len(commands) > 1:
+        calls = [
+            "Commands (each call that wrote rows, in order; add `--reuse` to all but the first):",
+            "",
+            *(f"- `{c}`" for c in commands),
+        ]
+    else:
+        calls = [f"Command: `{commands[0] if commands else command_line(argv)}`{note}"]
     lines = [
         f"# {title}",
         "",
-        f"Command: `{command_line(argv)}`{note}",
+        *calls,
         "",
         f"Torch threads: {torch.get_num_threads()}. CPU time {what}: "
         f"{cpu_s:.0f} s ({cpu_s / 3600:.2f} CPU-hours). Written {time.strftime('%Y-%m-%d')}.",

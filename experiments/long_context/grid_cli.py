@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from polysketch.nn import TransformerLM
 from polysketch.nn.ablate import ablate_global, global_parts
 
-from .cli import add_common, guarded, header, out_dir
+from .cli import add_common, guarded, header, out_dir, record_command
 from .global_init import split_outinit
 from .grid import CELL_KEY, SCHEDULES, copied, onset, past_target, schedule_options
 from .grid_diagnostics import DIAG_COLUMNS, diagnose
@@ -189,7 +189,10 @@ def _run(args, argv) -> int:
                    f"step {row['last_step']} ({row['stopped']})")  # fmt: skip
     cpu = sum(float(r["cpu_s"]) for r in tables.cells.rows)
     extra = [settings_text(settings)]
-    md = header("Copy-probe robustness grid (issue 44)", argv, cpu_s=cpu, extra=extra)
+    commands = record_command(out / "grid.commands.txt", argv, wrote=bool(todo),
+                              fresh=args.overwrite)  # fmt: skip
+    md = header("Copy-probe robustness grid (issue 44)", argv, cpu_s=cpu, extra=extra,
+                commands=commands)  # fmt: skip
     md += "\n" + markdown(tables.cells.rows, tables.curve.rows, tables.diag.rows)
     (out / "grid.md").write_text(md)
     png = plot_grid(tables.cells.rows, tables.curve.rows, out / "grid.png")
