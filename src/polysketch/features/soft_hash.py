@@ -147,8 +147,7 @@ from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "BALANCE_FORMS", "SoftHashFeatureMap", "information_deficit", "product_softmax",
-    "unit_directions", "usage_deficit", "usage_direction_surrogate", "usage_logit_gradient",
-    "usage_surrogate",
+    "unit_directions", "usage_deficit", "usage_direction_surrogate", "usage_surrogate",
 ]  # fmt: skip
 
 
@@ -201,17 +200,6 @@ def _usage_slope(usage: torch.Tensor) -> torch.Tensor:
     return usage.clamp_min(tiny).log() + (usage > tiny).to(usage.dtype)
 
 
-def usage_logit_gradient(phi: torch.Tensor) -> torch.Tensor:
-    """∂(log F − H(ū))/∂z_tf = φ_tf (h_f − c_t) / T of Eq. 8 for φ = softmax(z) (..., T, F) of one
-    factor, from φ alone (no graph): -> (..., T, F) in float32 (float64 for float64 φ); h_f
-    as in ``usage_surrogate``, c_t = Σ_f φ_tf h_f (∂φ_tf/∂z_tf' = φ_tf(δ_ff' − φ_tf'))."""
-    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
-    tokens = p.shape[-2]
-    h = _usage_slope(p.mean(-2))  # (..., F)
-    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
-    return p * (h.unsqueeze(-2) - per_token.unsqueeze(-1)) / tokens
-
-
 def usage_surrogate(
     phi: torch.Tensor, logits: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -230,7 +218,8 @@ def usage_surrogate(
     ``scale``: the s of z = s·u (τ/√D, per sequence or broadcastable to (...,)) whose gradient
     the balance must not reach (``bucket_balance_temperature=False``); only for F buckets of
     one factor (φ the plain softmax of z). S then subtracts sg(∂S/∂s)·s, with
-    s·∂S/∂s = Σ_tf z_tf g_tf, g = ``usage_logit_gradient(φ)``: s's gradient is then the
+    s·∂S/∂s = Σ_tf z_tf g_tf, g_tf = ∂S/∂z_tf = φ_tf (h_f − c_t) / T and c_t = Σ_f φ_tf h_f
+    (∂φ_tf/∂z_tf' = φ_tf(δ_ff' − φ_tf')), summed without forming g: s's gradient is then the
     task's alone, the rest as if z were computed with s detached."""
     phi32 = phi.to(torch.promote_types(phi.dtype, torch.float32))
     tokens = phi.shape[-2]
@@ -240,10 +229,13 @@ def usage_surrogate(
     surrogate = (totals * (h / tokens)).sum(-1)
     if scale is None:
         return surrogate
-    g = usage_logit_gradient(phi)
-    d_scale = (logits.detach().to(g.dtype) * g).sum((-1, -2))  # s · ∂S/∂s
-    held = scale.detach().to(g.dtype)
-    return surrogate - (d_scale / held).detach() * scale.to(g.dtype)
+    p = phi32.detach()
+    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
+    weighted = logits.detach().to(p.dtype) * p  # z_tf φ_tf
+    spread = torch.einsum("...tf,...f->...t", weighted, h) - per_token * weighted.sum(-1)
+    d_scale = spread.sum(-1) / tokens  # s · ∂S/∂s = Σ_tf z_tf g_tf
+    held = scale.detach().to(p.dtype)
+    return surrogate - (d_scale / held).detach() * scale.to(p.dtype)
 
 
 def usage_direction_surrogate(
@@ -254,16 +246,23 @@ def usage_direction_surrogate(
     factor and their features φ = softmax(z) (..., T, F): -> (...,) per sequence, in float32
     (float64 for float64 features).
 
-    With g = ∂(log F − H(ū))/∂z (``usage_logit_gradient``) and x held, the deficit's gradient
-    is s xᵀg at W and Σ_tf g_tf (x W)_tf at s, both those of S = s Σ_df W_df sg(xᵀg)_df: one
-    T × D × F product (xᵀg), where the deficit recomputed from x detached costs the x W
-    product, its softmax, and both again in its backward. ``directions``: W (D, F) or
-    broadcastable per head (H, D, F); ``scale``: s broadcastable to (...,), detached by the
-    caller when τ is held out. Its value is not the deficit's (it only carries the
-    gradient)."""
-    g = usage_logit_gradient(phi)
-    slope = torch.einsum("...td,...tf->...df", x.detach().to(g.dtype), g)  # xᵀg per sequence
-    return scale.to(g.dtype) * (slope * directions.to(g.dtype)).sum((-1, -2))
+    With g_tf = ∂(log F − H(ū))/∂z_tf = φ_tf (h_f − c_t) / T (h and c as in
+    ``usage_surrogate``) and x held, the deficit's gradient is s xᵀg at W and Σ_tf g_tf
+    (x W)_tf at s, both those of S = s Σ_df W_df sg(xᵀg)_df. xᵀg = (xᵀφ ∘ h − (c ∘ x)ᵀφ) / T
+    (h scales xᵀφ's columns, c x's rows) is one product of [x, c ∘ x] (T × 2D) with φ: φ is
+    read three times (ū, c, the product) and no T × F array is written, where the deficit
+    recomputed from x detached costs the x W product, its softmax, and both again in its
+    backward. ``directions``: W (D, F) or broadcastable per head (H, D, F); ``scale``: s
+    broadcastable to (...,), detached by the caller when τ is held out. Its value is not the
+    deficit's (it only carries the gradient)."""
+    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
+    tokens, dim = p.shape[-2], x.shape[-1]
+    h = _usage_slope(p.mean(-2))  # (..., F)
+    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t
+    xs = x.detach().to(p.dtype)
+    both = torch.cat([xs, xs * per_token.unsqueeze(-1)], dim=-1).transpose(-1, -2) @ p
+    slope = (both[..., :dim, :] * h.unsqueeze(-2) - both[..., dim:, :]) / tokens  # xᵀg
+    return scale.to(p.dtype) * (slope * directions.to(p.dtype)).sum((-1, -2))
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
