@@ -7,6 +7,7 @@ import torch
 
 from numerics import assert_as_accurate
 from polysketch.features import create
+from polysketch.nn import heads
 from polysketch.nn.heads import MultiHeadFeatureMap, head_seed
 
 H, D = 3, 8
@@ -123,6 +124,33 @@ def test_redraw_changes_buffers_reproducibly():
     assert not torch.equal(a.map__leaf_gaussian[0], a.map__leaf_gaussian[1])
     # head_map exposes exactly the stacked tensors of that head
     assert torch.equal(a.head_map(1).leaf_gaussian, a.map__leaf_gaussian[1])
+
+
+@pytest.mark.parametrize("name,kw", [("soft_hash", {"num_features": 6}), ("llops", {"degree": 2}),
+                                     ("polysketch", {"nonnegative": True})])  # fmt: skip
+def test_a_state_loads_across_the_stacked_and_the_per_head_layouts(name, kw, monkeypatch):
+    """A map vmapped here may fall back to the loop elsewhere (its probe raising under another
+    torch): each layout loads the other's state_dict (strict), with equal features."""
+    stacked = MultiHeadFeatureMap(name, D, H, seed=3, **kw)
+    assert stacked.vectorized
+    with torch.no_grad():
+        for p in stacked.parameters():  # not the draw the other gets from its own seed
+            p.add_(torch.randn_like(p))
+    monkeypatch.setattr(heads, "_VMAP_OK", {})
+    monkeypatch.setattr(MultiHeadFeatureMap, "_vmap_works", lambda self, feature_map: False)
+    looped = MultiHeadFeatureMap(name, D, H, seed=4, **kw)
+    assert not looped.vectorized and set(looped.state_dict()) != set(stacked.state_dict())
+    x = torch.randn(2, H, 5, D)
+    looped.load_state_dict(stacked.state_dict())
+    torch.testing.assert_close(looped.query(x), stacked.query(x), rtol=1e-6, atol=1e-7)
+    again = MultiHeadFeatureMap(name, D, H, seed=5, **kw)  # the loop layout again
+    again.load_state_dict(looped.state_dict())
+    monkeypatch.undo()
+    back = MultiHeadFeatureMap(name, D, H, seed=6, **kw)
+    assert back.vectorized
+    back.load_state_dict(looped.state_dict())
+    torch.testing.assert_close(back.key(x), stacked.key(x), rtol=0, atol=0)
+    torch.testing.assert_close(again.key(x), looped.key(x), rtol=0, atol=0)
 
 
 def test_hybrid_clustered_falls_back_to_loop():

@@ -20,6 +20,9 @@ Maps that cannot be vmapped run a Python loop over per-head submodules instead
 (``LOOP_MAPS``, plus any map whose vmapped probe raises at construction):
 ``hybrid_clustered`` is one, because its buffers are created by a data-dependent ``fit``
 (k-means) and change shape with the number of clusters; call ``fit_(q, k)`` before use.
+The two layouts name their tensors differently (``map__weight_q`` of shape (H, ...) against
+``maps.h.weight_q``); ``load_state_dict`` accepts either, so that a checkpoint written where
+the probe passed loads where it raises (another torch), and the reverse.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ class MultiHeadFeatureMap(nn.Module):
         if probe_key not in _VMAP_OK:
             _VMAP_OK[probe_key] = name not in LOOP_MAPS and self._vmap_works(first)
         self.vectorized = _VMAP_OK[probe_key]
+        self._register_load_state_dict_pre_hook(self._from_other_layout)
         if not self.vectorized:
             self.maps = nn.ModuleList(maps)
             return
@@ -152,6 +156,28 @@ class MultiHeadFeatureMap(nn.Module):
         self._template = (_Role(first),)
         self._batched = batched_form(first)  # all heads without vmap (nn.heads_batched)
         self._memo: dict = {}  # tensors the batched form derives from the buffers
+
+    def _from_other_layout(self, state_dict, prefix, *_):
+        """Before loading: the other layout's tensors rewritten into this one's, in place
+        (per-head ``maps.h.NAME`` stacked into ``map__NAME``, or the reverse); a state in this
+        layout, or a partial one, is left as it is."""
+        heads = range(self.num_heads)
+        if self.vectorized:
+            for name in (*self._param_names, *self._buffer_names):
+                rest = name.removeprefix("map.")
+                per_head = [f"{prefix}maps.{h}.{rest}" for h in heads]
+                if all(k in state_dict for k in per_head):
+                    state_dict[prefix + _mangle(name)] = torch.stack(
+                        [state_dict.pop(k) for k in per_head]
+                    )
+            return
+        first = self.maps[0]
+        for rest, _ in (*first.named_parameters(), *first.named_buffers()):
+            stacked = prefix + _mangle("map." + rest)
+            if stacked in state_dict:
+                value = state_dict.pop(stacked)
+                for h in heads:
+                    state_dict[f"{prefix}maps.{h}.{rest}"] = value[h]
 
     # ----- construction helpers ------------------------------------------------------------
     def _vmap_works(self, feature_map: FeatureMap) -> bool:
