@@ -144,8 +144,8 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
             held = None if through_tau else scale.reshape(-1)  # (H,)
             deficit = usage_surrogate(phi, logits, held)  # (..., H)
         elif reuse:  # W_h (and τ_h unless held) from φ and x detached
-            held = (scale if through_tau else scale.detach()).reshape(-1)  # (H,)
-            deficit = usage_direction_surrogate(phi, x, weight, held)  # (..., H)
+            s_h = (scale if through_tau else scale.detach()).reshape(-1)  # (H,)
+            deficit = usage_direction_surrogate(phi, x, weight, s_h)  # (..., H)
         else:
             if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
                 inputs = x if template.bucket_balance_inputs else x.detach()  # W_h learns
