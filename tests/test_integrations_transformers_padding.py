@@ -107,6 +107,7 @@ PRESET_SETTINGS = [
     ("soft_hash_local", {}),
     ("soft_hash_far_local", {}),
     ("soft_hash_far_local_tied", {}),
+    ("soft_hash_far_local_balanced", {}),
 ]
 PRESET_IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in PRESET_SETTINGS]
 

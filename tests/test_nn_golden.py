@@ -259,6 +259,7 @@ def test_every_name_has_a_reference():
 # The default suite runs every case's forward and decode; padded / packed contexts and
 # gradients for these cases (one per kind of attention and of hybrid layer), all under -m slow.
 DEEP = ("psf_random", "psf_mixed", "softmax", "sliding_window", "soft_hash_far_local",
+        "soft_hash_far_local_balanced",
         "v-hybrid-fields", "v-local-shared", "v-surrogate")  # fmt: skip
 
 

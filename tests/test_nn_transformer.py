@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from polysketch.nn import TransformerConfig, TransformerLM
+from polysketch.nn.resolve import config_options
 
 V = 19
 
@@ -630,6 +631,38 @@ def test_soft_hash_far_local_tied_is_the_tied_start_of_soft_hash_far_local():
             torch.testing.assert_close(p, olds[name], rtol=0, atol=0)
         else:
             assert not torch.equal(p, olds[name])
+
+
+MEASURED_BALANCED = (
+    "soft_hash_far_local_tied:temperature=6.0,global_heads=2,num_features=640,"
+    "bucket_balance=0.001,bucket_balance_form=usage,bucket_balance_temperature=False,"
+    "bucket_balance_inputs=False"
+)
+"""The spec the copy grid, natural text and MQAR measured (docs/results/long_context, C640i6)."""
+
+
+@pytest.mark.parametrize("n_head", [2, 4])
+def test_soft_hash_far_local_balanced_is_the_spec_that_was_measured(n_head):
+    """The preset resolves to the spec string of its measurements, on a model whose heads
+    equal the far heads (2) and on one with more (4: the far heads keep the model's head
+    dim), and builds the same weights; a config field still wins over it."""
+    small = dict(vocab_size=V, n_layer=2, n_head=n_head, n_embd=32, chunk_size=4,
+                 block_size=16, seed=3)  # fmt: skip
+    preset = TransformerLM(TransformerConfig(attention="soft_hash_far_local_balanced", **small))
+    measured = TransformerLM(TransformerConfig(**config_options(MEASURED_BALANCED, **small)))
+    assert preset.spec == measured.spec
+    assert preset.spec.heads == 2 and preset.spec.hybrid.out_tied
+    kwargs = preset.spec.attention.map_kwargs
+    assert (kwargs["num_features"], kwargs["temperature"], kwargs["bucket_balance"]) == (
+        640, 6.0, 1e-3)  # fmt: skip
+    assert not kwargs["bucket_balance_inputs"] and not kwargs["bucket_balance_temperature"]
+    other = dict(measured.named_parameters())
+    for name, p in preset.named_parameters():
+        torch.testing.assert_close(p, other[name], rtol=0, atol=0)
+    override = TransformerConfig(attention="soft_hash_far_local_balanced", global_heads=1,
+                                 map_kwargs={"bucket_balance": 0.0}, **small)  # fmt: skip
+    spec = TransformerLM(override).spec
+    assert spec.heads == 1 and spec.attention.map_kwargs["bucket_balance"] == 0.0
 
 
 @pytest.mark.parametrize("short_conv", [0, 3])

@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python tests/golden/make_golden.py          # compare only, write nothing
     PYTHONPATH=src python tests/golden/make_golden.py --write  # replace the references
+    PYTHONPATH=src python tests/golden/make_golden.py --new-cases  # add the missing ones only
 
 Run it with ``--write`` ONLY when a change of behaviour is intended (new numbers from a
 model, a renamed parameter, a new supported context) and CHANGELOG.md states that change:
@@ -167,6 +168,26 @@ def _report(case: str, tensors: dict, meta: dict, old_meta: dict | None, old: Pa
     return f"{case}: {', '.join(diffs)}" + (f"; changed: {changed}" if changed else "")
 
 
+def add_new_cases(old: dict) -> int:
+    """Compute, check and write the cases of ``g.cases()`` without a stored reference (their
+    metadata records the version that wrote them); the stored ones are not recomputed."""
+    added = {}
+    for case, config in g.cases().items():
+        path = g.GOLDEN / "cases" / f"{case}.pt"
+        if case in old["cases"] and path.is_file():
+            continue
+        tensors, meta = compute_case(config)
+        added[case] = ({**meta, "made_with": _provenance()}, tensors, path)
+        print(f"{case}: new")
+    for case, (meta, tensors, path) in added.items():
+        torch.save({k: v.detach().clone() for k, v in tensors.items()}, path)
+        old["cases"][case] = meta
+    if added:
+        g.META.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"added {len(added)} case(s) to {g.GOLDEN}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="replace the stored references")
@@ -175,9 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         help="train the checkpoints anew with this version (default: keep the stored files, "
         "written by an older version, which the loader must keep loading)",
     )  # fmt: skip
+    parser.add_argument(
+        "--new-cases", action="store_true",
+        help="compute and write only the cases that have no stored reference (a new attention "
+        "name or variant), leaving every stored reference as it is",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     old = json.loads(g.META.read_text()) if g.META.is_file() else {"cases": {}, "checkpoints": {}}
+    if args.new_cases:
+        return add_new_cases(old)
     meta = {
         "about": "golden references of tests/test_nn_golden.py; regenerate with "
         "tests/golden/make_golden.py --write only for a behaviour change stated in CHANGELOG.md",

@@ -216,7 +216,26 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ),
         hybrid=replace(_SOFT_HASH_FAR_LOCAL.hybrid, out_tied=True),
     ),
+    "soft_hash_far_local_balanced": replace(
+        _SOFT_HASH_FAR_LOCAL,
+        description=(
+            "soft_hash_far_local_tied with two far heads per layer of F = 640 buckets each "
+            "(initial temperature 6) and the usage balance of features.soft_hash (Eq. 8, "
+            "β = 10⁻³) reaching the bucket directions alone (the inputs and τ held out); "
+            "two thirds of its far branch's state"
+        ),
+        map_kwargs={
+            "num_features": 640,
+            "temperature": 6.0,
+            "bucket_balance": 1e-3,
+            "bucket_balance_form": "usage",
+            "bucket_balance_temperature": False,
+            "bucket_balance_inputs": False,
+        },
+        hybrid=replace(_SOFT_HASH_FAR_LOCAL.hybrid, heads=2, out_tied=True),
+    ),
 }
 """Model preset name -> ``ModelPreset``. A preset whose settings change by measurement is stored
-under a new name (``soft_hash_far_local_tied`` after ``soft_hash_far_local``), so that a name
-keeps meaning what was measured of it."""
+under a new name (``soft_hash_far_local_tied`` after ``soft_hash_far_local``,
+``soft_hash_far_local_balanced`` after it), so that a name keeps meaning what was measured of
+it."""
