@@ -200,8 +200,13 @@ def test_checks_still_refuse_on_the_cuda_path():
 
 PADDED_DECODE_SYNCS = {
     name: {("tolist", "nn.core:_mixed")}
-    for name in ("psf_mixed", "soft_hash_far", "soft_hash_far_local", "soft_hash_far_local_tied",
-                 "soft_hash_far_local_balanced")
+    for name in (
+        "psf_mixed",
+        "soft_hash_far",
+        "soft_hash_far_local",
+        "soft_hash_far_local_tied",
+        "soft_hash_far_local_balanced",
+    )
 }
 """The host syncs left on the CUDA path, all in a decode step after a PADDED prefill (a
 ``key_padding_mask``) of mixed attention: ``AttentionCore._mixed`` reads each row's number of
