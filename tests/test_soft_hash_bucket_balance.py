@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from polysketch._auxiliary import add_auxiliary_loss, auxiliary_loss_scale
+from polysketch import _auxiliary
+from polysketch._auxiliary import add_auxiliary_gradient, add_auxiliary_loss, auxiliary_loss_scale
 from polysketch.features import soft_hash
 from polysketch.features.soft_hash import (
     SoftHashFeatureMap,
@@ -215,14 +216,13 @@ def test_nothing_is_computed_without_autograd_nor_added_for_a_single_token(monke
                                      bucket_balance=0.5, **kw)
                  for kw in ({}, usage, held_x)]  # fmt: skip
 
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise AssertionError("the deficit was computed under no_grad")
 
     for form in soft_hash.BALANCE_FORMS:
         monkeypatch.setitem(soft_hash.BALANCE_FORMS, form, refuse)
     for module in (soft_hash, heads_batched):
-        monkeypatch.setattr(module, "usage_surrogate", refuse)
-        monkeypatch.setattr(module, "usage_direction_surrogate", refuse)
+        monkeypatch.setattr(module, "attach_usage_balance", refuse)
     with torch.no_grad():  # evaluation and decoding pay nothing
         torch.testing.assert_close(with_b.query(x), plain.query(x), rtol=0, atol=0)
         for heads in all_heads:
@@ -383,3 +383,64 @@ def test_a_compiled_model_with_the_balance_has_eager_gradients_at_each_scale():
         seen.append(want)
     moved = [(a - b).abs().max() for a, b in zip(*seen, strict=True) if a is not None]
     assert max(moved) > 1e-6  # the scale weighs the balance's gradient
+
+
+@pytest.mark.parametrize("inputs,through_tau", [(False, False), (True, False), (True, True)])
+def test_a_recomputed_layer_attaches_the_balance_once_with_the_same_gradients(
+    monkeypatch, inputs, through_tau
+):
+    """Under the cores' recomputation (``recompute=True``, torch.utils.checkpoint) the balance
+    is computed in the first forward only (its gradients ride on one autograd node, not on
+    saved tensors; the rerun skips it: ``_auxiliary.replaying``): as many calls a step as
+    without recomputation, and the same gradients in fp64."""
+    real = heads_batched.attach_usage_balance
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads_batched, "attach_usage_balance", counted)
+    maps = dict(num_features=12, bucket_balance=0.3, bucket_balance_inputs=inputs,
+                bucket_balance_temperature=through_tau)  # fmt: skip
+    base = dict(attention="soft_hash_far_local_balanced", vocab_size=32, block_size=40,
+                n_layer=2, n_head=2, n_embd=16, chunk_size=8, map_kwargs=maps)  # fmt: skip
+    idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(0))
+    grads, counts = {}, {}
+    for recompute in (True, False):
+        model = TransformerLM(TransformerConfig(**base, recompute=recompute)).double().train()
+        calls.clear()
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        counts[recompute] = len(calls)
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
+    assert counts[True] == counts[False] == 2 * base["n_layer"]  # queries and keys
+    for name, g in grads[False].items():  # fp64, the same sums in another order at most
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-12, atol=1e-14, msg=name)
+    assert grads[True]["blocks.0.attn.feature_map.map__weight_q"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_known_gradients_ride_on_the_backward_as_their_surrogate_loss_would(monkeypatch, direct):
+    """``add_auxiliary_gradient(y, own, ((w, g_w),))`` gives the gradients of
+    s·(⟨y, sg(own)⟩ + ⟨w, sg(g_w)⟩), s the scale at the forward, once per backward: as node
+    attributes (eager) or through that loss (``torch.compile`` / ``torch.func``)."""
+    monkeypatch.setattr(_auxiliary, "_direct", lambda: direct)
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+            for shape in ((3, 4), (4, 5)))  # fmt: skip
+    own, g_w, r = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                   for shape in ((1, 5), (4, 5), (3, 5)))  # fmt: skip
+    with auxiliary_loss_scale(0.5):
+        y = add_auxiliary_gradient(x @ w, own, ((w, g_w),))
+    got = torch.autograd.grad((y * r).sum(), [x, w])
+    y = x @ w
+    want = torch.autograd.grad((y * r).sum() + 0.5 * ((y * own).sum() + (w * g_w).sum()), [x, w])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        add_auxiliary_gradient(x @ w, torch.ones(2, 5))
+    with pytest.raises(ValueError, match="gradient of shape"):
+        add_auxiliary_gradient(x @ w, None, ((w, torch.ones(5, 4)),))
+    with torch.no_grad():
+        assert add_auxiliary_gradient(x @ w, own) is not None

@@ -17,6 +17,19 @@ included, uses the forward's). It is a module-level float, not a ``ContextVar``:
 
 The auxiliary gradient flows only if x is on the path of the loss being back-propagated, and
 once per backward through x.
+
+**Known gradients** (``add_auxiliary_gradient``): where the caller has the regularizer's
+gradient itself (g_x at x, g_i at tensors t_i the forward used, e.g. a feature map's weights),
+it attaches them to x's backward directly, with no surrogate loss to differentiate: the same
+gradients as ``add_auxiliary_loss(x, ⟨x, sg(g_x)⟩ + Σ_i ⟨t_i, sg(g_i)⟩)``, held as attributes
+of one autograd node, so they are not saved tensors. That matters under
+``torch.utils.checkpoint`` (non-reentrant): the backward reruns the forward to make its saved
+tensors again, and matches them to the first run's in order, so a computation that saves none
+may be left out of the rerun. ``recompute_contexts`` (the ``context_fn`` of a checkpoint) marks
+the rerun; ``replaying()`` tells a caller that the gradients it attached in the first run are
+already in the graph, so it need not compute them again (the rerun's graph is discarded). Under
+``torch.compile`` or a ``torch.func`` transform the attachment falls back to the surrogate loss
+above (saved tensors and all) and ``replaying()`` stays False, so nothing is skipped there.
 """
 
 from __future__ import annotations
@@ -25,10 +38,15 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-__all__ = ["add_auxiliary_loss", "auxiliary_loss_scale"]
+__all__ = [
+    "add_auxiliary_gradient", "add_auxiliary_loss", "auxiliary_loss_scale", "checkpoint",
+    "recompute_contexts", "replaying",
+]  # fmt: skip
 
 _scale = 1.0  # the scale in force (auxiliary_loss_scale sets it for a block)
+_rerun = False  # inside a checkpoint's recomputation (recompute_contexts)
 
 
 @contextlib.contextmanager
@@ -73,3 +91,101 @@ def add_auxiliary_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return x
     return _AddAuxiliaryLoss.apply(x, loss * _scale)
+
+
+def _direct() -> bool:
+    """Whether ``add_auxiliary_gradient`` attaches the gradients as node attributes (eager
+    autograd), rather than through a surrogate loss (``torch.compile``, ``torch.func``)."""
+    if torch.compiler.is_compiling():
+        return False
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return not (active is not None and active())
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    global _rerun
+    previous, _rerun = _rerun, True
+    try:
+        yield
+    finally:
+        _rerun = previous
+
+
+def recompute_contexts() -> tuple:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: no
+    context around the first forward, ``replaying()`` true during the recomputation."""
+    return contextlib.nullcontext(), _recomputing()
+
+
+def checkpoint(fn, *args):
+    """``fn(*args)`` recomputed in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant), its rerun marked (``recompute_contexts``) so that the auxiliary gradients
+    attached in the first run are not computed again; plain under ``torch.compile``, which
+    plans its own recomputation."""
+    if torch.compiler.is_compiling():
+        return torch_checkpoint(fn, *args, use_reentrant=False)
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=recompute_contexts)
+
+
+def replaying() -> bool:
+    """True while a checkpoint recomputes a forward (``recompute_contexts``) whose
+    ``add_auxiliary_gradient`` calls attached their gradients in the first run: the caller may
+    skip computing and attaching them (module docstring). False under ``torch.compile`` and
+    ``torch.func`` transforms, where the attachment saves tensors that the rerun must make."""
+    return _rerun and _direct()
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def add_auxiliary_gradient(
+    x: torch.Tensor,
+    own: torch.Tensor | None = None,
+    others: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
+) -> torch.Tensor:
+    """x itself (same value); when the backward reaches x, x's gradient also gains s·``own``
+    (broadcast to x's shape) and each tensor t of the pairs (t, g) in ``others`` gains s·g
+    (g of t's shape), s the scale in force now (``auxiliary_loss_scale``): the gradients of
+    s·(⟨x, sg(own)⟩ + Σ ⟨t, sg(g)⟩), attached without saving a tensor (module docstring); a t
+    that does not require grad takes none. Returns x as is in no-grad mode."""
+    if not torch.is_grad_enabled():
+        return x
+    if own is not None and not _broadcasts_to(own.shape, x.shape):
+        raise ValueError(f"own gradient of shape {tuple(own.shape)} does not broadcast to x's "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    for t, g in others:
+        if g.shape != t.shape:
+            raise ValueError(f"gradient of shape {tuple(g.shape)} for a tensor of shape "
+                             f"{tuple(t.shape)}")  # fmt: skip
+    if not _direct():
+        loss = x.new_zeros((), dtype=torch.float32)
+        for t, g in others:
+            loss = loss + (t * g.detach().to(t.dtype)).sum()
+        if own is not None:
+            loss = loss + (x * own.detach().to(x.dtype)).sum()
+        return add_auxiliary_loss(x, loss)
+    own = None if own is None else own.detach().to(x.dtype) * _scale
+    scaled = tuple(g.detach().to(t.dtype) * _scale for t, g in others)
+    return _AddAuxiliaryGradient.apply(x, own, scaled, *(t for t, _ in others))
+
+
+class _AddAuxiliaryGradient(torch.autograd.Function):
+    """Identity on x; the backward adds ``own`` to x's gradient and returns ``grads`` for the
+    trailing tensors. The gradients are context attributes, not saved tensors (no saved-tensor
+    hook sees them: a checkpoint's rerun may leave this node out)."""
+
+    @staticmethod
+    def forward(ctx, x, own, grads, *tensors):
+        ctx.own, ctx.grads = own, grads
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.own is not None:
+            grad = grad + ctx.own.to(grad.dtype)
+        return grad, None, None, *ctx.grads

@@ -118,13 +118,17 @@ with ``bucket_balance_temperature=False``: the balance's gradient then reaches t
 directions W and the inputs x (and through x the layers below) but not this map's τ (as if its
 logits used τ detached), so that τ learns from the model's loss alone. That flag applies to
 (7) too (the sharpening measured there came through τ). Eq. 8 costs no second softmax nor
-x W product: ``usage_surrogate`` gives its gradient from the features already made, joined
+x W product: ``usage_gradient`` gives its gradient from the features already made, joined
 to theirs before their softmax's backward, and takes back what would reach τ. With
 ``bucket_balance_inputs=False`` the balance's logits also use x detached: its gradient then
 reaches W alone (and τ unless held out), so it cannot make the layers below widen each
 token's buckets, which is how (8) at β = 0.01 delayed the copy probe's onset (measured in
 ``docs/results/long_context/README.md`` section 5); with one factor that costs one xᵀg
 product (``usage_direction_surrogate``: g the deficit's gradient in the logits, from φ).
+The map attaches these gradients to φ's backward as they are (``attach_usage_balance``,
+``polysketch._auxiliary.add_auxiliary_gradient``), not through a loss to differentiate:
+under the cores' recomputation (``torch.utils.checkpoint``) the balance is then computed
+once, in the first forward, not again in the backward's rerun.
 
 The target kernel is the map's own (2) or (4) (plus the linear term of (5)–(6)), computed in
 log space as ``Π_i exp(logsumexp_f(log φq_i + log φk_i))`` (no feature map is imitated; ``family =
@@ -140,14 +144,15 @@ import math
 import torch
 from torch import nn
 
-from .._auxiliary import add_auxiliary_loss
+from .._auxiliary import add_auxiliary_gradient, add_auxiliary_loss, replaying
 from .._checks import check_float, check_positive_int, check_tensor
 from ..random import gaussian, make_generator
 from .base import FeatureMap, Hyperparameter, register
 
 __all__ = [
     "BALANCE_FORMS", "SoftHashFeatureMap", "information_deficit", "product_softmax",
-    "unit_directions", "usage_deficit", "usage_direction_surrogate", "usage_surrogate",
+    "attach_usage_balance", "unit_directions", "usage_deficit", "usage_direction_surrogate",
+    "usage_gradient", "usage_surrogate",
 ]  # fmt: skip
 
 
@@ -200,42 +205,61 @@ def _usage_slope(usage: torch.Tensor) -> torch.Tensor:
     return usage.clamp_min(tiny).log() + (usage > tiny).to(usage.dtype)
 
 
-def usage_surrogate(
+def usage_gradient(
     phi: torch.Tensor, logits: torch.Tensor, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """A stand-in for Eq. 8's deficit with the same gradient, from the features φ = softmax(z)
-    (..., T, F) a map has already made: -> (...,) per sequence, in float32 (float64 for float64
-    features).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eq. 8's gradient per sequence, from the features φ = softmax(z) (..., T, F) a map has
+    already made: -> (g_φ (..., 1, F), g_s (...,) or None), in float32 (float64 for float64
+    features), detached.
 
     With ū = (1/T) Σ_t φ_t and h_f = ∂(Σ_f ū_f log ū_f)/∂ū_f = log ū_f + 1 (as ``_entropy``
     differentiates it: log max(ū_f, tiny), + 1 where ū_f > tiny), log F − H(ū) has the gradient
-    h_f / T at every φ_tf, which the stand-in S = (1/T) Σ_tf sg(h_f) φ_tf gives as well: its
-    gradient joins the features' own at φ and crosses their softmax and the x W product once,
-    where ``usage_deficit(z)`` makes the softmax and its backward again (and, with τ held out,
-    one more x W product and the two of its backward). Its value is not the deficit's (it
-    only carries the gradient).
+    g_φ = h_f / T at every φ_tf (the same for every t); joined to the features' own gradient
+    it crosses their softmax and the x W product once, where ``usage_deficit(z)`` makes the
+    softmax and its backward again (and, with τ held out, one more x W product and the two of
+    its backward).
 
     ``scale``: the s of z = s·u (τ/√D, per sequence or broadcastable to (...,)) whose gradient
     the balance must not reach (``bucket_balance_temperature=False``); only for F buckets of
-    one factor (φ the plain softmax of z). S then subtracts sg(∂S/∂s)·s, with
-    s·∂S/∂s = Σ_tf z_tf g_tf, g_tf = ∂S/∂z_tf = φ_tf (h_f − c_t) / T and c_t = Σ_f φ_tf h_f
-    (∂φ_tf/∂z_tf' = φ_tf(δ_ff' − φ_tf')), summed without forming g: s's gradient is then the
-    task's alone, the rest as if z were computed with s detached."""
-    phi32 = phi.to(torch.promote_types(phi.dtype, torch.float32))
-    tokens = phi.shape[-2]
-    totals = phi32.sum(-2)  # T ū: (..., F)
-    h = _usage_slope(totals.detach() / tokens)  # (..., F)
-    # S = Σ_f sg(h_f / T) (T ū_f): its gradient at φ_tf is h_f / T, an expanded view (no pass)
-    surrogate = (totals * (h / tokens)).sum(-1)
+    one factor (φ the plain softmax of z). g_s = −∂/∂s of what g_φ gives s, the correction that
+    takes it back: s·∂/∂s = Σ_tf z_tf g_tf, g_tf = φ_tf (h_f − c_t) / T the gradient in z and
+    c_t = Σ_f φ_tf h_f (∂φ_tf/∂z_tf' = φ_tf(δ_ff' − φ_tf')), summed without forming g."""
+    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
+    tokens = p.shape[-2]
+    h = _usage_slope(p.sum(-2) / tokens)  # (..., F)
+    g_phi = (h / tokens).unsqueeze(-2)
     if scale is None:
-        return surrogate
-    p = phi32.detach()
+        return g_phi, None
     per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t (einsum: not bmm's slow matvec)
     weighted = logits.detach().to(p.dtype) * p  # z_tf φ_tf
     spread = torch.einsum("...tf,...f->...t", weighted, h) - per_token * weighted.sum(-1)
     d_scale = spread.sum(-1) / tokens  # s · ∂S/∂s = Σ_tf z_tf g_tf
-    held = scale.detach().to(p.dtype)
-    return surrogate - (d_scale / held).detach() * scale.to(p.dtype)
+    return g_phi, -d_scale / scale.detach().to(p.dtype)
+
+
+def usage_surrogate(
+    phi: torch.Tensor, logits: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A stand-in for Eq. 8's deficit with its gradient (``usage_gradient``), as a loss:
+    S = Σ_tf φ_tf sg(h_f / T) (+ s·sg(g_s) with ``scale`` held) -> (...,) per sequence, in
+    float32 (float64 for float64 features). Its value is not the deficit's (it only carries
+    the gradient). The maps attach the gradient itself (``attach_usage_balance``)."""
+    g_phi, g_s = usage_gradient(phi, logits, scale)
+    surrogate = (phi.to(g_phi.dtype) * g_phi).sum((-1, -2))
+    return surrogate if g_s is None else surrogate + g_s * scale.to(g_s.dtype)
+
+
+def _direction_slope(phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """xᵀg (..., D, F) for logits of one factor, g_tf = φ_tf (h_f − c_t) / T the gradient of
+    Eq. 8's deficit in them (``usage_gradient``): (xᵀφ ∘ h − (c ∘ x)ᵀφ) / T, one product of
+    [x, c ∘ x] (T × 2D) with φ; float32 (float64 for float64 features), detached."""
+    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
+    tokens, dim = p.shape[-2], x.shape[-1]
+    h = _usage_slope(p.mean(-2))  # (..., F)
+    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t
+    xs = x.detach().to(p.dtype)
+    both = torch.cat([xs, xs * per_token.unsqueeze(-1)], dim=-1).transpose(-1, -2) @ p
+    return (both[..., :dim, :] * h.unsqueeze(-2) - both[..., dim:, :]) / tokens
 
 
 def usage_direction_surrogate(
@@ -247,22 +271,55 @@ def usage_direction_surrogate(
     (float64 for float64 features).
 
     With g_tf = ∂(log F − H(ū))/∂z_tf = φ_tf (h_f − c_t) / T (h and c as in
-    ``usage_surrogate``) and x held, the deficit's gradient is s xᵀg at W and Σ_tf g_tf
+    ``usage_gradient``) and x held, the deficit's gradient is s xᵀg at W and Σ_tf g_tf
     (x W)_tf at s, both those of S = s Σ_df W_df sg(xᵀg)_df. xᵀg = (xᵀφ ∘ h − (c ∘ x)ᵀφ) / T
     (h scales xᵀφ's columns, c x's rows) is one product of [x, c ∘ x] (T × 2D) with φ: φ is
     read three times (ū, c, the product) and no T × F array is written, where the deficit
     recomputed from x detached costs the x W product, its softmax, and both again in its
     backward. ``directions``: W (D, F) or broadcastable per head (H, D, F); ``scale``: s
     broadcastable to (...,), detached by the caller when τ is held out. Its value is not the
-    deficit's (it only carries the gradient)."""
-    p = phi.detach().to(torch.promote_types(phi.dtype, torch.float32))
-    tokens, dim = p.shape[-2], x.shape[-1]
-    h = _usage_slope(p.mean(-2))  # (..., F)
-    per_token = torch.einsum("...tf,...f->...t", p, h)  # c_t
-    xs = x.detach().to(p.dtype)
-    both = torch.cat([xs, xs * per_token.unsqueeze(-1)], dim=-1).transpose(-1, -2) @ p
-    slope = (both[..., :dim, :] * h.unsqueeze(-2) - both[..., dim:, :]) / tokens  # xᵀg
-    return scale.to(p.dtype) * (slope * directions.to(p.dtype)).sum((-1, -2))
+    deficit's (it only carries the gradient). The maps attach the gradient itself
+    (``attach_usage_balance``)."""
+    slope = _direction_slope(phi, x)
+    return scale.to(slope.dtype) * (slope * directions.to(slope.dtype)).sum((-1, -2))
+
+
+def _total(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """g (..., *like.shape) summed over its leading (per-sequence) dims: like's gradient."""
+    lead = g.dim() - like.dim()
+    return g.sum(tuple(range(lead))) if lead else g
+
+
+def attach_usage_balance(
+    phi: torch.Tensor,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    directions: torch.Tensor,
+    scale: torch.Tensor,
+    weight: float,
+    *,
+    inputs: bool,
+    through_scale: bool,
+) -> torch.Tensor:
+    """φ (..., T, F) itself, with the gradient of weight · Σ_seq (log F − H(ū)) (Eq. 8, one
+    sequence per leading index) attached to its backward (``add_auxiliary_gradient``): the
+    gradients of ``weight`` times the sum over sequences of ``usage_surrogate`` (``inputs``:
+    through φ, so into x, W and s) or of ``usage_direction_surrogate`` (not ``inputs``: into
+    W and s only), without a surrogate loss to differentiate, so that a checkpoint's rerun
+    may leave the balance out (``_auxiliary.replaying``). ``directions`` W (D, F) or (H, D, F)
+    and ``scale`` s (0-d, or (H,) per head) are the tensors the logits z = s · x W were made
+    from; ``through_scale`` False: s gets none of it (τ held out; one factor)."""
+    if inputs:
+        g_phi, g_s = usage_gradient(phi, logits, None if through_scale else scale)
+        held = () if g_s is None else ((scale, _total(weight * g_s, scale)),)
+        return add_auxiliary_gradient(phi, weight * g_phi, held)
+    slope = weight * _direction_slope(phi, x)  # (..., D, F), each sequence's xᵀg
+    s = scale.detach().to(slope.dtype)
+    grads = [(directions, _total(s[..., None, None] * slope, directions))]
+    if through_scale:
+        per_seq = (slope * directions.detach().to(slope.dtype)).sum((-1, -2))
+        grads.append((scale, _total(per_seq, scale)))
+    return add_auxiliary_gradient(phi, None, tuple(grads))
 
 
 def unit_directions(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -418,9 +475,10 @@ class SoftHashFeatureMap(FeatureMap):
 
     @property
     def balance_reuses_features(self) -> bool:
-        """The balance is computed from the features themselves: Eq. 8 through ``usage_surrogate``
-        (gradient reaching x; τ reached, or held out with one factor) or, with the inputs held
-        out and one factor, ``usage_direction_surrogate``."""
+        """The balance is computed from the features themselves (``attach_usage_balance``): Eq.
+        8's gradient at φ (``usage_gradient``: reaching x; τ reached, or held out with one
+        factor) or, with the inputs held out and one factor, at W (``usage_direction_surrogate``'s
+        xᵀg)."""
         if self.bucket_balance_form != "usage":
             return False
         return self.factors == 1 or (self.bucket_balance_inputs and self.bucket_balance_temperature)
@@ -432,12 +490,13 @@ class SoftHashFeatureMap(FeatureMap):
         return unit_directions(w, self.dim) if self.unit_directions else w
 
     def _logits(self, x: torch.Tensor, key: bool, *, learn_tau: bool = True) -> torch.Tensor:
-        """τ · x W / √D: (..., D) -> (..., m·B); W is scaled first (D×mB, not T×mB, products)
-        unless x has fewer rows than D (a decoding step); ``learn_tau=False``: τ detached."""
-        w = self._directions(key)
+        """τ · x W / √D: (..., D) -> (..., m·B); ``learn_tau=False``: τ detached."""
         scale = self._logit_scale()
-        if not learn_tau:
-            scale = scale.detach()
+        return self._logits_of(x, self._directions(key), scale if learn_tau else scale.detach())
+
+    def _logits_of(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """s · x W for W (D, m·B) and the scale s: W is scaled first (D×mB, not T×mB, products)
+        unless x has fewer rows than D (a decoding step)."""
         if x.dim() >= 2 and x.shape[-2] < self.dim:
             return (x @ w.to(x.dtype)) * scale.to(x.dtype)
         return x @ (w * scale).to(x.dtype)
@@ -453,22 +512,23 @@ class SoftHashFeatureMap(FeatureMap):
         return torch.cat([one, unit], dim=-1) * math.sqrt(self.linear_weight / (1 + c))
 
     def _features(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        logits = self._logits(x, key)
+        w, scale = self._directions(key), self._logit_scale()
+        logits = self._logits_of(x, w, scale)
         phi = product_softmax(logits, self.factors)
         if self.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-            if self.balance_reuses_features and self.bucket_balance_inputs:  # from φ itself
-                held = None if self.bucket_balance_temperature else self._logit_scale()
-                deficit = usage_surrogate(phi, logits, held)  # τ's gradient taken back if held
-            elif self.balance_reuses_features:  # W (and τ unless held) from φ and x detached
-                scale = self._logit_scale()
-                scale = scale if self.bucket_balance_temperature else scale.detach()
-                deficit = usage_direction_surrogate(phi, x, self._directions(key), scale)
+            if self.balance_reuses_features:  # Eq. 8's gradient from φ, attached to it
+                if not replaying():  # a checkpoint's rerun: attached in the first run
+                    weight = self.bucket_balance / math.prod(phi.shape[:-2])  # the batch mean
+                    phi = attach_usage_balance(
+                        phi, x, logits, w, scale, weight, inputs=self.bucket_balance_inputs,
+                        through_scale=self.bucket_balance_temperature,
+                    )  # fmt: skip
             else:
                 if not (self.bucket_balance_temperature and self.bucket_balance_inputs):
                     inputs = x if self.bucket_balance_inputs else x.detach()
                     logits = self._logits(inputs, key, learn_tau=self.bucket_balance_temperature)
                 deficit = BALANCE_FORMS[self.bucket_balance_form](logits, self.factors)
-            phi = add_auxiliary_loss(phi, self.bucket_balance * deficit.mean())
+                phi = add_auxiliary_loss(phi, self.bucket_balance * deficit.mean())
         if self.linear_weight:
             phi = torch.cat([phi, self.linear_features(x).to(phi.dtype)], dim=-1)
         return self._scaled(phi)

@@ -48,8 +48,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from .._auxiliary import checkpoint as _checkpoint
 from .._checks import as_dtype, check_int, check_positive_int
 from ..distributed import cp_linear_attention, cp_mixed_attention
 from ..features import get_class
@@ -355,7 +355,7 @@ class AttentionCore(nn.Module):
             cache.length += q.shape[-2]
             return out
         if self.recomputes():
-            return _checkpoint(run, q, k, v, use_reentrant=False)
+            return _checkpoint(run, q, k, v)
         return run(q, k, v)
 
     def _mixed_op(self, q, k, v, phi_q, phi_k, *, local, square, shard=None) -> torch.Tensor:
@@ -417,7 +417,7 @@ class AttentionCore(nn.Module):
         if shard is not None:  # a rank's shard: no padding, no cache (check_core_on_shard)
             return run(q, k, v)[0]
         if cache is None and self.recomputes():
-            out = _checkpoint(lambda *x: run(*x)[0], q, k, v, use_reentrant=False)
+            out = _checkpoint(lambda *x: run(*x)[0], q, k, v)
         else:
             out, k, phi_k, v = run(q, k, v)
         if cache is not None:  # prefill: keep the completed blocks' state and the rest
@@ -475,7 +475,7 @@ class AttentionCore(nn.Module):
         def run(q, k, v):
             return window_attention(q, k, v, window=self.window, key_padding_mask=kpm, **kw)
 
-        out = _checkpoint(run, q, k, v, use_reentrant=False) if self.recomputes() else run(q, k, v)
+        out = _checkpoint(run, q, k, v) if self.recomputes() else run(q, k, v)
         if cache is not None:
             cache.prefill(k, v, None if keep is None else keep.sum(-1))
         return out if inverse is None else gather_time(out, inverse, dim=-2)

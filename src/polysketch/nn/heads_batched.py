@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._auxiliary import add_auxiliary_loss
+from .._auxiliary import add_auxiliary_loss, replaying
 from .._checks import as_dtype
 from ..features.base import FeatureMap
 from ..features.hedgehog import HedgehogFeatureMap
@@ -40,10 +40,9 @@ from ..features.polysketch import PolySketch
 from ..features.soft_hash import (
     BALANCE_FORMS,
     SoftHashFeatureMap,
+    attach_usage_balance,
     product_softmax,
     unit_directions,
-    usage_direction_surrogate,
-    usage_surrogate,
 )
 
 __all__ = ["batched_form"]
@@ -139,21 +138,23 @@ def _soft_hash(template: SoftHashFeatureMap, params, buffers, x, role, memo):
         logits = x @ as_dtype(weight * scale, x.dtype)  # (..., H, T, D) @ (H, D, m·B)
     phi = product_softmax(logits, template.factors)
     if template.bucket_balance and x.shape[-2] > 1 and torch.is_grad_enabled():  # Eqs. 7–8
-        reuse, through_tau = template.balance_reuses_features, template.bucket_balance_temperature
-        if reuse and template.bucket_balance_inputs:  # from φ itself, τ_h's taken back if held
-            held = None if through_tau else scale.reshape(-1)  # (H,)
-            deficit = usage_surrogate(phi, logits, held)  # (..., H)
-        elif reuse:  # W_h (and τ_h unless held) from φ and x detached
-            s_h = (scale if through_tau else scale.detach()).reshape(-1)  # (H,)
-            deficit = usage_direction_surrogate(phi, x, weight, s_h)  # (..., H)
+        if template.balance_reuses_features:  # Eq. 8's gradient from φ, attached to it
+            if not replaying():  # a checkpoint's rerun: attached in the first run
+                heads = phi.shape[-3]  # each head's, as H maps', averaged over the batch
+                coef = template.bucket_balance * heads / math.prod(phi.shape[:-2])
+                phi = attach_usage_balance(
+                    phi, x, logits, weight, scale.reshape(-1), coef,
+                    inputs=template.bucket_balance_inputs,
+                    through_scale=template.bucket_balance_temperature,
+                )  # fmt: skip
         else:
             if not (template.bucket_balance_temperature and template.bucket_balance_inputs):
                 inputs = x if template.bucket_balance_inputs else x.detach()  # W_h learns
                 held = scale if template.bucket_balance_temperature else scale.detach()  # τ_h
                 logits = inputs @ as_dtype(weight * held, x.dtype)
             deficit = BALANCE_FORMS[template.bucket_balance_form](logits, template.factors)
-        loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
-        phi = add_auxiliary_loss(phi, loss)
+            loss = template.bucket_balance * deficit.sum(-1).mean()  # each head's, as H maps'
+            phi = add_auxiliary_loss(phi, loss)
     if template.linear_weight:  # Eqs. 5–6's √(α/(1 + c))(√c, x/‖x‖), the same for every head
         phi = torch.cat([phi, template.linear_features(x).to(phi.dtype)], dim=-1)
     return phi if template.output_scale == 1.0 else phi * template.output_scale

@@ -25,8 +25,8 @@ for fp32/fp64). fp16 operands multiply in fp32 in the block function and the Tri
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from .._auxiliary import checkpoint as _checkpoint
 from .._checks import check_choice, compute_dtype
 from ..features.base import FeatureMap
 from ._validate import (
@@ -243,5 +243,5 @@ def kernel_attention(
         )
 
     if checkpoint and torch.is_grad_enabled():
-        return _checkpoint(run, q, k, v, use_reentrant=False)
+        return _checkpoint(run, q, k, v)
     return run(q, k, v)
