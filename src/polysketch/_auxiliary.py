@@ -26,7 +26,8 @@ of one autograd node, so they are not saved tensors. That matters under
 ``torch.utils.checkpoint`` (non-reentrant): the backward reruns the forward to make its saved
 tensors again, and matches them to the first run's in order, so a computation that saves none
 may be left out of the rerun. ``recompute_contexts`` (the ``context_fn`` of a checkpoint) marks
-the rerun; ``replaying()`` tells a caller that the gradients it attached in the first run are
+the rerun, in the thread that runs it (a forward in another thread is not marked);
+``replaying()`` tells a caller that the gradients it attached in the first run are
 already in the graph, so it need not compute them again (the rerun's graph is discarded). Under
 ``torch.compile`` or a ``torch.func`` transform the attachment falls back to the surrogate loss
 above (saved tensors and all) and ``replaying()`` stays False, so nothing is skipped there.
@@ -35,6 +36,7 @@ above (saved tensors and all) and ``replaying()`` stays False, so nothing is ski
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -46,7 +48,7 @@ __all__ = [
 ]  # fmt: skip
 
 _scale = 1.0  # the scale in force (auxiliary_loss_scale sets it for a block)
-_rerun = False  # inside a checkpoint's recomputation (recompute_contexts)
+_rerun = threading.local()  # .active: this thread recomputes a checkpoint (recompute_contexts)
 
 
 @contextlib.contextmanager
@@ -104,12 +106,11 @@ def _direct() -> bool:
 
 @contextlib.contextmanager
 def _recomputing() -> Iterator[None]:
-    global _rerun
-    previous, _rerun = _rerun, True
+    previous, _rerun.active = getattr(_rerun, "active", False), True
     try:
         yield
     finally:
-        _rerun = previous
+        _rerun.active = previous
 
 
 def recompute_contexts() -> tuple:
@@ -133,7 +134,7 @@ def replaying() -> bool:
     ``add_auxiliary_gradient`` calls attached their gradients in the first run: the caller may
     skip computing and attaching them (module docstring). False under ``torch.compile`` and
     ``torch.func`` transforms, where the attachment saves tensors that the rerun must make."""
-    return _rerun and _direct()
+    return _direct() and getattr(_rerun, "active", False)  # per thread: a backward's rerun
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
