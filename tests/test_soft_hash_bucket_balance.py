@@ -23,6 +23,7 @@ from polysketch.features.soft_hash import (
 from polysketch.nn import TransformerConfig, TransformerLM, heads_batched
 from polysketch.nn.core import AttentionCore
 from polysketch.nn.heads import MultiHeadFeatureMap
+from polysketch.ops import kernel_attention
 
 D = 8
 
@@ -385,39 +386,60 @@ def test_a_compiled_model_with_the_balance_has_eager_gradients_at_each_scale():
     assert max(moved) > 1e-6  # the scale weighs the balance's gradient
 
 
+def _balance_step(path: str, recompute: bool, maps: dict, calls: list | None = None) -> dict:
+    """Gradients of one fp64 step with the balance: a model of two far heads (the batched heads)
+    or ``kernel_attention`` with one map (the map's own path), recomputed or not; ``calls``
+    emptied once the model is built (its heads' construction probes the map)."""
+    if path == "model":
+        cfg = TransformerConfig(attention="soft_hash_far_local_balanced", vocab_size=32,
+                                block_size=40, n_layer=2, n_head=2, n_embd=16, chunk_size=8,
+                                map_kwargs=maps, recompute=recompute)  # fmt: skip
+        model = TransformerLM(cfg).double().train()
+        idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(0))
+        if calls is not None:
+            calls.clear()
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+    fm = SoftHashFeatureMap(D, seed=3, **maps).double()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 24, D, generator=gen, dtype=torch.float64).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    out = kernel_attention(q, k, v, fm, causal=True, chunk_size=8, checkpoint=recompute)
+    (out * out.detach().flip(-1)).sum().backward()
+    return {**{n: p.grad for n, p in fm.named_parameters()}, "q": q.grad, "k": k.grad}
+
+
 @pytest.mark.parametrize("inputs,through_tau", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("path", ["model", "map"])
 def test_a_recomputed_layer_attaches_the_balance_once_with_the_same_gradients(
-    monkeypatch, inputs, through_tau
+    monkeypatch, path, inputs, through_tau
 ):
-    """Under the cores' recomputation (``recompute=True``, torch.utils.checkpoint) the balance
-    is computed in the first forward only (its gradients ride on one autograd node, not on
-    saved tensors; the rerun skips it: ``_auxiliary.replaying``): as many calls a step as
-    without recomputation, and the same gradients in fp64."""
-    real = heads_batched.attach_usage_balance
+    """Under recomputation (the cores' ``recompute=True``, ``kernel_attention(checkpoint=
+    True)``: torch.utils.checkpoint) the balance is computed in the first forward only (its
+    gradients ride on one autograd node, not on saved tensors; the rerun skips it:
+    ``_auxiliary.replaying``): as many calls a step as without recomputation, and the same
+    gradients in fp64."""
+    real = soft_hash.attach_usage_balance
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(heads_batched, "attach_usage_balance", counted)
-    maps = dict(num_features=12, bucket_balance=0.3, bucket_balance_inputs=inputs,
-                bucket_balance_temperature=through_tau)  # fmt: skip
-    base = dict(attention="soft_hash_far_local_balanced", vocab_size=32, block_size=40,
-                n_layer=2, n_head=2, n_embd=16, chunk_size=8, map_kwargs=maps)  # fmt: skip
-    idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(0))
+    for module in (soft_hash, heads_batched):  # the map's own path and the batched heads'
+        monkeypatch.setattr(module, "attach_usage_balance", counted)
+    maps = dict(num_features=12, bucket_balance=0.3, bucket_balance_form="usage",
+                bucket_balance_inputs=inputs, bucket_balance_temperature=through_tau)  # fmt: skip
     grads, counts = {}, {}
     for recompute in (True, False):
-        model = TransformerLM(TransformerConfig(**base, recompute=recompute)).double().train()
         calls.clear()
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
+        grads[recompute] = _balance_step(path, recompute, maps, calls)
         counts[recompute] = len(calls)
-        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
-    assert counts[True] == counts[False] == 2 * base["n_layer"]  # queries and keys
+    assert counts[True] == counts[False] == (4 if path == "model" else 2)  # q, k (per layer)
     for name, g in grads[False].items():  # fp64, the same sums in another order at most
         torch.testing.assert_close(grads[True][name], g, rtol=1e-12, atol=1e-14, msg=name)
-    assert grads[True]["blocks.0.attn.feature_map.map__weight_q"].abs().sum() > 0
+    without = _balance_step(path, False, {**maps, "bucket_balance": 0.0})
+    assert any((g - without[n]).abs().max() > 1e-6 for n, g in grads[True].items())
 
 
 @pytest.mark.parametrize("direct", [True, False])
