@@ -207,6 +207,19 @@ def test_result_csv_resumes_and_refuses_to_overwrite(tmp_path):
     assert fresh.rows == [] and not fresh.has({"a": "m", "b": 64})
 
 
+def test_result_csv_reload_sees_rows_another_writer_appended(tmp_path):
+    """Two runs writing one folder (a cell each): each one's report is drawn after ``reload``,
+    so the one that finishes last shows both cells, not only its own."""
+    path = tmp_path / "t.csv"
+    first = ResultCSV(path, ("a", "w"), ("a",), settings={"x": 1})
+    second = ResultCSV(path, ("a", "w"), ("a",), settings={"x": 1}, reuse=True)
+    first.add({"a": "m", "w": 0.5})
+    second.add({"a": "n", "w": 1.5})
+    assert first.rows == [{"a": "m", "w": 0.5}] and not first.has({"a": "n"})
+    first.reload()
+    assert first.rows == [{"a": "m", "w": 0.5}, {"a": "n", "w": 1.5}] and first.has({"a": "n"})
+
+
 def test_result_csv_reused_with_columns_added_at_the_end(tmp_path):
     path = tmp_path / "t.csv"
     ResultCSV(path, ("a", "w"), ("a",), settings={"x": 1}).add({"a": "m", "w": 0.5})

@@ -187,6 +187,8 @@ def _run(args, argv) -> int:
         tables.cells.add(row)
         tqdm.write(f"{_label(cell)}: onset {row['onset'] or 'none'}, gain {row['gain']:.3f} at "
                    f"step {row['last_step']} ({row['stopped']})")  # fmt: skip
+    for table in (tables.cells, tables.curve, tables.diag):  # with rows of runs beside this one
+        table.reload()
     cpu = sum(float(r["cpu_s"]) for r in tables.cells.rows)
     extra = [settings_text(settings)]
     commands = record_command(out / "grid.commands.txt", argv, wrote=bool(todo),

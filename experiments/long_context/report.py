@@ -144,6 +144,14 @@ class ResultCSV:
                 writer.writerows({k: row.get(k) or "" for k in self.columns} for row in rows)
             tmp.replace(self.path)
 
+    def reload(self) -> None:
+        """Read the rows again from the file: with those another process appended to it since
+        (two runs writing one folder, a cell each), so that a report drawn now shows both."""
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        self.rows = [{k: parse_value(row.get(k) or "") for k in self.columns} for row in rows]
+        self._done = {self._key_of(r) for r in self.rows}
+
     def _key_of(self, row: dict) -> tuple:
         return tuple(str(parse_value(str(row[k]))) for k in self.key)
 
