@@ -1,7 +1,8 @@
 """A window branch beside a converted layer's attention: model presets in transformers models.
 
 The model presets (``polysketch.nn.MODEL_PRESETS``: ``soft_hash_local``,
-``soft_hash_far_local``, ``soft_hash_far_local_tied``) put an exact sliding-window softmax
+``soft_hash_far_local``, ``soft_hash_far_local_tied``, ``soft_hash_far_local_balanced``) put
+an exact sliding-window softmax
 branch beside a linear-time attention in every layer of a ``TransformerLM``. A converted layer
 has one set of projections (the model's q/k/v/o and its RoPE), so it takes the *shared* form of
 that hybrid (``HybridSpec.shared``, ``polysketch.nn.transformer.Block``): for query head h,
@@ -22,8 +23,8 @@ it, and the fine-tune the rest.
 
 Mapping a preset onto the model (``resolve_converted``):
 
-* **Global heads.** A ``TransformerLM`` preset adds one global head (``global_heads=1``) with
-  its own projections; a converted layer cannot add heads, so the global branch reads the
+* **Global heads.** A ``TransformerLM`` preset adds one global head (``global_heads=1``; two
+  for ``soft_hash_far_local_balanced``) with its own projections; a converted layer cannot add heads, so the global branch reads the
   query heads' own q, k, v. By default it runs on **every** query head (``global_heads=None``):
   each pretrained head may attend far back, and a head without the global branch can reach no
   key beyond its window, which no training of the added modules can give back.
