@@ -24,10 +24,11 @@ it, and the fine-tune the rest.
 Mapping a preset onto the model (``resolve_converted``):
 
 * **Global heads.** A ``TransformerLM`` preset adds one global head (``global_heads=1``; two
-  for ``soft_hash_far_local_balanced``) with its own projections; a converted layer cannot add heads, so the global branch reads the
-  query heads' own q, k, v. By default it runs on **every** query head (``global_heads=None``):
-  each pretrained head may attend far back, and a head without the global branch can reach no
-  key beyond its window, which no training of the added modules can give back.
+  for ``soft_hash_far_local_balanced``) with its own projections; a converted layer cannot
+  add heads, so the global branch reads the query heads' own q, k, v. By default it runs on
+  **every** query head (``global_heads=None``): each pretrained head may attend far back, and
+  a head without the global branch can reach no key beyond its window, which no training of
+  the added modules can give back.
   ``global_heads=g`` runs it on query heads 0..g-1 only (the others are the window alone), a
   g/H share of the global state (``docs/hf_integration.md``: the state per layer against the
   KV cache).
