@@ -287,6 +287,28 @@ def test_refuse_unless_cpu_raises_and_device_path_asserts():
         attention_features(build("trig"), q, k, causal=True, eps=1e-6, asynchronous=True)
 
 
+def test_device_assertions_carry_messages_a_device_accepts():
+    """CUDA's torch._assert_async refuses a message of 255 bytes or more (MPS: 250) before it
+    checks anything; the device path clips to 249 bytes of UTF-8 at a character boundary."""
+    from polysketch._checks import DEVICE_ASSERT_MESSAGE_BYTES, device_assert_message
+
+    assert device_assert_message("fine") == "fine"
+    long = "the normalizer Σ_j φq(q_i)·φk(k_j) is 0 " + "φ" * 300  # 2-byte characters
+    for message in (long, "x" * 249, "x" * 250, "é" * 125, "é" * 126):
+        clipped = device_assert_message(message)
+        assert len(clipped.encode("utf-8")) <= DEVICE_ASSERT_MESSAGE_BYTES < 250
+        assert clipped == message or (clipped.endswith("…") and message.startswith(clipped[:-1]))
+    assert device_assert_message("x" * 249) == "x" * 249
+    assert device_assert_message(long).startswith("the normalizer Σ_j φq(q_i)·φk(k_j) is 0 ")
+    # the test suite runs torch._assert_async with the device's limit (tests/conftest.py) ...
+    with pytest.raises(RuntimeError, match="Message length must be smaller than"):
+        torch._assert_async(torch.tensor(True), long)
+    # ... and refuse_unless's device path passes the clipped message, failing with its start
+    refuse_unless(torch.tensor([True]), long, asynchronous=True)
+    with pytest.raises(RuntimeError, match="^the normalizer Σ_j"):
+        refuse_unless(torch.tensor([False]), long, asynchronous=True)
+
+
 def test_compiled_attention_checks_without_graph_break():
     fm = build("positive")
 

@@ -27,9 +27,16 @@ __all__ = [
     "compute_dtype",
     "as_dtype",
     "refuse_unless",
+    "assert_on_device",
+    "device_assert_message",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# torch._assert_async copies its message into a fixed buffer and refuses a longer one before it
+# checks anything ("Message length must be smaller than 255" on CUDA, < 250 bytes on MPS; bytes of
+# UTF-8): every device assertion's message is clipped to this many bytes.
+DEVICE_ASSERT_MESSAGE_BYTES = 249
 
 
 def parse_key_values(items: Sequence[str] | None, name: str) -> dict:
@@ -188,6 +195,26 @@ def refuse_unless(ok: torch.Tensor, message: str, *, asynchronous: bool | None =
     if asynchronous is None:
         asynchronous = not checks_on_host(ok)
     if asynchronous:
-        torch._assert_async(ok.all(), message)
+        assert_on_device(ok.all(), message)
     elif not bool(ok.all()):
         raise ValueError(message)
+
+
+def device_assert_message(message: str) -> str:
+    """``message`` as a device assertion can carry it: at most ``DEVICE_ASSERT_MESSAGE_BYTES``
+    bytes of UTF-8, cut at a character boundary and ended with "…" where it was longer (the
+    start of every refusal names the argument and what is wrong; the remedies that follow are
+    what a clipped message loses, and the CPU path raises the whole of it)."""
+    data = message.encode("utf-8")
+    if len(data) <= DEVICE_ASSERT_MESSAGE_BYTES:
+        return message
+    ellipsis = "…"
+    room = DEVICE_ASSERT_MESSAGE_BYTES - len(ellipsis.encode("utf-8"))
+    return data[:room].decode("utf-8", errors="ignore") + ellipsis
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)`` with the message clipped to what the device
+    accepts (``device_assert_message``): no host synchronization, no graph break; a False
+    ``condition`` fails at the next synchronization (on the CPU, at once, as RuntimeError)."""
+    torch._assert_async(condition, device_assert_message(message))

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_float, check_int, check_positive_int
+from .._checks import assert_on_device, check_float, check_int, check_positive_int
 from .._device import checks_on_host
 from .._fields import documented
 from ..random import make_generator
@@ -380,7 +380,7 @@ class TransformerLM(nn.Module):
         message = f"{name} must hold ids in [0, vocab_size={vocab})"
         if not checks_on_host(idx):
             # no host sync, no graph break: a device-side assertion (fails at the next sync)
-            torch._assert_async(((idx >= 0) & (idx < vocab)).all(), message)
+            assert_on_device(((idx >= 0) & (idx < vocab)).all(), message)
         elif idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
             raise ValueError(message)
         return idx
@@ -400,7 +400,7 @@ class TransformerLM(nn.Module):
         message = f"targets must hold ids in [0, vocab_size={vocab}) or -100 (ignored)"
         valid = (targets == -100) | ((targets >= 0) & (targets < vocab))
         if not checks_on_host(targets):
-            torch._assert_async(valid.all(), message)  # fails at the next sync, no graph break
+            assert_on_device(valid.all(), message)  # fails at the next sync, no graph break
         elif not bool(valid.all()):
             raise ValueError(message)
         return targets

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..._checks import check_int, check_positive_int
+from ..._checks import assert_on_device, check_int, check_positive_int
 from ...nn.cache import ParallelCache
 from ...nn.core import AttentionCore
 from ...nn.resolve import as_spec, resolve_attention
@@ -255,7 +255,7 @@ def _key_padding(mask, q_len: int, k_len: int) -> torch.Tensor | None:
     keep = keep_all[:, -k_len:]
     if mask.device.type != "cpu" or torch.compiler.is_compiling():
         # no host sync on accelerators: a device-side assertion, and the mask kept as is
-        torch._assert_async(valid, message)
+        assert_on_device(valid, message)
         return keep
     if not bool(valid):
         raise ValueError(message)

@@ -36,6 +36,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from ..._checks import assert_on_device
 from .attention import ATTENTION_NAME, polysketch_attention_forward
 from .cache import check_cache
 
@@ -108,7 +109,7 @@ def polysketch_mask(**kwargs) -> torch.Tensor | None:
     elif given.device.type == "cpu":
         same = torch.equal(given, plain)
     else:  # no host sync on accelerators
-        torch._assert_async((given == plain).all(), "sliding-window mask with more than padding")
+        assert_on_device((given == plain).all(), "sliding-window mask with more than padding")
         same = True
     if not same:
         raise ValueError(
