@@ -19,7 +19,9 @@ stage costs only itself (issue 39 §1):
 Writes ONE folder (``--out``; refused when not empty unless ``--overwrite``): ``summary.md``
 (every table and ratio), ``tests.csv``, ``attention.csv``, ``model.csv``, ``decode.csv`` and
 ``gpu_check.log`` (every stage's output); prints the summary last; exits 1 when a test failed
-or the tests did not all run, else 0.
+or the tests did not all run, else 0. ``--stages`` runs a subset (e.g. ``tests,attention``
+after a fix, in a lease's time left), sharing ``--budget`` among them; the exit status then
+reads the tests only where they ran.
 
 Budgets: each stage gets its share of ``--budget`` (default 330 s) plus what the stages before
 it left unused; inside a stage a measurement whose predicted time would overrun the stage's
@@ -79,6 +81,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU dry run with tiny shapes")
     parser.add_argument("--budget", type=float, default=float(sum(SHARES.values())),
                         help="seconds for all stages")  # fmt: skip
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated stages to run, of {','.join(STAGES)} (default: "
+                        "all; --budget is shared among those run, by their shares)")  # fmt: skip
     parser.add_argument("--stage", choices=(*STAGES, "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--stage-budget", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--warm", nargs="*", default=(), help=argparse.SUPPRESS)
@@ -87,6 +92,10 @@ def main(argv=None) -> int:
         parser.error(f"--budget must be positive, got {args.budget}")
     if args.stage is not None:
         return _run_stage(args)
+    selected = [name.strip() for name in args.stages.split(",") if name.strip()]
+    unknown = sorted(set(selected) - set(STAGES))
+    if unknown or not selected:
+        parser.error(f"--stages must name some of {', '.join(STAGES)}, got {args.stages!r}")
     out = args.out.resolve()  # the stages run in the repository root
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
         print(f"gpu_check: error: --out {out} is not an empty folder (use --overwrite)",
@@ -101,8 +110,11 @@ def main(argv=None) -> int:
     log.write(f"gpu_check {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     log.write(json.dumps(env, indent=1) + "\n")
     stages, carry = {}, 0.0
-    scale = args.budget / sum(SHARES.values())
+    scale = args.budget / sum(SHARES[name] for name in selected)
     for name in STAGES:
+        if name not in selected:
+            stages[name] = {"status": "not selected (--stages)", "seconds": 0.0, "budget": 0.0}
+            continue
         left = args.budget - (time.monotonic() - start)
         budget = min(SHARES[name] * scale + carry, left)
         if budget < 0.2 * SHARES[name] * scale:
@@ -119,7 +131,7 @@ def main(argv=None) -> int:
     (out / "summary.md").write_text(summary, encoding="utf-8")
     log.close()
     print(summary)
-    return 0 if _tests_passed(out, stages) else 1
+    return 0 if "tests" not in selected or _tests_passed(out, stages) else 1
 
 
 def _environment(smoke: bool) -> dict:

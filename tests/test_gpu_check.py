@@ -7,6 +7,7 @@ and the stages after it still run)."""
 import csv
 
 import gpu_check
+import pytest
 
 
 def _rows(path):
@@ -49,15 +50,30 @@ def test_smoke_run_writes_one_folder_and_prints_the_summary_last(tmp_path, capsy
 
 def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path, monkeypatch):
     out = tmp_path / "check"
-    monkeypatch.setattr(gpu_check, "STAGES", ("attention", "model"))  # no tests: exit 1
+    monkeypatch.setattr(gpu_check, "STAGES", ("attention", "model"))  # no tests stage: exit 0
     monkeypatch.setattr(gpu_check, "SHARES", {"attention": 0.5, "model": 300.0})
     monkeypatch.setattr(gpu_check, "GRACE", 0.0)
-    assert gpu_check.main(["--smoke", "--out", str(out), "--budget", "300.5"]) == 1
+    assert gpu_check.main(["--smoke", "--out", str(out), "--budget", "300.5"]) == 0
     summary = (out / "summary.md").read_text()
     assert "| attention | stopped at 0 s (budget 0 s + grace) |" in summary
     assert "| model | ok |" in summary
     assert "0 passed, 0 failed, 0 error, 0 skipped (not run" in summary
     assert all(r["status"] == "ok" for r in _rows(out / "model.csv"))
+
+
+def test_stages_runs_a_subset_with_the_budget_shared_among_them(tmp_path, monkeypatch):
+    out = tmp_path / "check"
+    assert gpu_check.main(["--smoke", "--out", str(out), "--stages", "decode"]) == 0
+    summary = (out / "summary.md").read_text()
+    for name in ("tests", "attention", "model"):
+        assert f"| {name} | not selected (--stages) | 0 | 0 |" in summary
+    assert "| decode | ok |" in summary
+    # the whole budget goes to the stages run (decode's share alone would be 35 s of 330)
+    assert "| decode | ok | " in summary and "| 330 |" in summary.split("## tests/gpu")[0]
+    assert _rows(out / "decode.csv") and not (out / "model.csv").exists()
+    for bad in ("decode,bogus", ","):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--smoke", "--out", str(tmp_path / "other"), "--stages", bad])
 
 
 def test_compiled_rows_are_compared_with_compiled_softmax():
