@@ -25,9 +25,11 @@ reads the tests only where they ran.
 
 Budgets: each stage gets its share of ``--budget`` (default 330 s) plus what the stages before
 it left unused; inside a stage a measurement whose predicted time would overrun the stage's
-budget is skipped and recorded, the longest lengths first in line are the ones the dispatcher's
-threshold is read from (16k, 64k), and a stage still running at its budget plus a grace period
-is stopped (its rows so far are kept: every stage rewrites its CSV after each measurement).
+budget is skipped and recorded, the longest lengths come first in line (16k, 64k), and a stage
+still running at its budget plus a grace period is stopped (its rows so far are kept: every
+stage rewrites its CSV after each measurement). The grace comes only out of time that no later
+stage's share needs, so one stage's overrun never eats the next one's share (the first H200 run
+lost its decode stage so).
 
 The stages' measuring code is ``benchmarks/gpu_check_stages.py``; this file runs them and
 writes the summary.
@@ -66,7 +68,8 @@ SHARES = {"tests": 100, "attention": 120, "model": 75, "decode": 35}
 overrunning into its ``GRACE`` and start-up, the whole check stays within 6 minutes, and
 ``tests/gpu`` within 2."""
 GRACE = 20
-"""Seconds a stage may run past its budget before it is stopped."""
+"""Seconds a stage may run past its budget before it is stopped, taken only from time no later
+stage's share needs (the last stage run always has it): an overrun never shortens the next."""
 RESULT = "GPU-CHECK-STAGE-RESULT "
 """The prefix of the line a stage process prints last: its status as JSON."""
 FILES = ("summary.md", "tests.csv", "attention.csv", "model.csv", "decode.csv", "gpu_check.log")
@@ -111,18 +114,20 @@ def main(argv=None) -> int:
     log.write(json.dumps(env, indent=1) + "\n")
     stages, carry = {}, 0.0
     scale = args.budget / sum(SHARES[name] for name in selected)
-    for name in STAGES:
+    for i, name in enumerate(STAGES):
         if name not in selected:
             stages[name] = {"status": "not selected (--stages)", "seconds": 0.0, "budget": 0.0}
             continue
         left = args.budget - (time.monotonic() - start)
-        budget = min(SHARES[name] * scale + carry, left)
+        reserve = scale * sum(SHARES[later] for later in STAGES[i + 1 :] if later in selected)
+        budget = min(SHARES[name] * scale + carry, left - reserve)
+        grace = GRACE if not reserve else min(GRACE, max(0.0, left - reserve - budget))
         if budget < 0.2 * SHARES[name] * scale:
             stages[name] = {"status": f"skipped (budget: {max(left, 0):.0f} s left)",
                             "seconds": 0.0, "budget": budget}  # fmt: skip
             log.write(f"\n=== {name}: {stages[name]['status']}\n")
             continue
-        stages[name] = _stage_process(name, budget, out, args.smoke, log)
+        stages[name] = _stage_process(name, budget, out, args.smoke, log, grace)
         carry = max(0.0, budget - stages[name]["seconds"])
         print(f"gpu_check: {name}: {stages[name]['status']} in {stages[name]['seconds']:.0f} s",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -167,8 +172,9 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def _stage_process(name: str, budget: float, out: Path, smoke: bool, log) -> dict:
-    """Run one stage in its own process (stopped at ``budget`` + ``GRACE``); its status."""
+def _stage_process(name: str, budget: float, out: Path, smoke: bool, log,
+                   grace: float = GRACE) -> dict:  # fmt: skip
+    """Run one stage in its own process (stopped at ``budget`` + ``grace``); its status."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
@@ -184,7 +190,7 @@ def _stage_process(name: str, budget: float, out: Path, smoke: bool, log) -> dic
     log.write(f"\n=== {name} (budget {budget:.0f} s): {' '.join(cmd)}\n")
     log.flush()
     t0 = time.monotonic()
-    output, code, killed = _run_group(cmd, env, budget + GRACE)
+    output, code, killed = _run_group(cmd, env, budget + grace)
     seconds = time.monotonic() - t0
     log.write(output)
     log.flush()
@@ -195,7 +201,7 @@ def _stage_process(name: str, budget: float, out: Path, smoke: bool, log) -> dic
         reported = [line for line in output.splitlines() if line.startswith(RESULT)]
         result.update(json.loads(reported[-1][len(RESULT) :]) if reported else {})
     if killed:
-        result["status"] = f"stopped at {budget + GRACE:.0f} s (budget {budget:.0f} s + grace)"
+        result["status"] = f"stopped at {budget + grace:.0f} s (budget {budget:.0f} s + grace)"
     elif "status" not in result:
         result["status"] = f"failed (exit {code}; see gpu_check.log)"
     return result

@@ -350,8 +350,10 @@ def _model(setting: Setting, out: Path, deadline: float) -> dict:
             _free(setting)
             status = f"error ({type(err).__name__}: {str(err).splitlines()[0][:150]})"
             rows.append({"attention": label, "T": t, "status": status})
+        wall = time.monotonic() - t0
         if not compiled:
-            walls[attention] = (t, time.monotonic() - t0)
+            walls[attention] = (t, wall)
+        print(f"model: {label} T={t}: {rows[-1].get('status', 'ok')} in {wall:.0f} s", flush=True)
         write(out / "model.csv", _with_ratios(rows), MODEL_FIELDS)
     write(out / "model.csv", _with_ratios(rows), MODEL_FIELDS)
     status = "ok" if not skipped else f"partial (budget: skipped {', '.join(skipped)})"

@@ -52,7 +52,8 @@ def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path, mo
     out = tmp_path / "check"
     monkeypatch.setattr(gpu_check, "STAGES", ("attention", "model"))  # no tests stage: exit 0
     monkeypatch.setattr(gpu_check, "SHARES", {"attention": 0.5, "model": 300.0})
-    monkeypatch.setattr(gpu_check, "GRACE", 0.0)
+    # the grace comes only out of time no later stage needs: none here (model's share is whole)
+    monkeypatch.setattr(gpu_check, "GRACE", 20.0)
     assert gpu_check.main(["--smoke", "--out", str(out), "--budget", "300.5"]) == 0
     summary = (out / "summary.md").read_text()
     assert "| attention | stopped at 0 s (budget 0 s + grace) |" in summary
