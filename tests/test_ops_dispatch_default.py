@@ -45,7 +45,7 @@ def test_default_picks_triton_only_where_measured_faster(cuda):
     assert _pick(*_args(4 * LONG)) == "triton"
     assert _pick(*_args(LONG, lead=(3, 4))) == "triton"  # any batch and heads
     assert _pick(*_args(LONG - 1)) == "chunked_blocks"  # shorter: not measured faster
-    assert _pick(*_args(1024)) == "chunked_blocks"
+    assert _pick(*_args(LONG // 2)) == "chunked_blocks"
     assert _pick(*_args(LONG, dtype=torch.float16)) == "chunked_blocks"  # fp32 kernels
     assert _pick(*_args(LONG, dtype=torch.float32)) == "chunked_blocks"
     assert _pick(*_args(LONG), square=False) == "chunked_blocks"  # plain maps: unmeasured

@@ -108,18 +108,19 @@ def _spy(monkeypatch):
     return seen
 
 
-DEFAULT_PATHS = [  # (dtype, T, heads, the backend "chunked" must pick)
-    (F32, 2048, 4, "chunked_blocks"),
-    (BF16, 2048, 4, "chunked_blocks"),
-    (F16, 2048, 4, "chunked_blocks"),
-    (BF16, 8192, 12, "chunked_blocks"),  # several groups (ACCELERATOR_GROUP_BYTES)
-    (BF16, dispatch.TRITON_MIN_LENGTH, 12, "triton"),  # the bench's shape: split layout
+DEFAULT_PATHS = [  # (dtype, T, heads, Triton mode, the backend "chunked" must pick)
+    (F32, 2048, 4, "auto", "chunked_blocks"),
+    (F16, 2048, 4, "auto", "chunked_blocks"),
+    (BF16, dispatch.TRITON_MIN_LENGTH // 2, 4, "auto", "chunked_blocks"),  # below the threshold
+    (BF16, 8192, 12, "off", "chunked_blocks"),  # several groups (ACCELERATOR_GROUP_BYTES)
+    (BF16, dispatch.TRITON_MIN_LENGTH, 4, "auto", "triton"),  # the shortest Triton call
+    (BF16, 16384, 12, "auto", "triton"),  # the bench's shape: split layout
 ]
 
 
-@pytest.mark.parametrize("dtype,t,h,backend", DEFAULT_PATHS)
-def test_default_dispatch_outputs_and_gradients(dtype, t, h, backend, monkeypatch):
-    monkeypatch.setattr(dispatch, "_TRITON_SWITCH", ["auto"])
+@pytest.mark.parametrize("dtype,t,h,mode,backend", DEFAULT_PATHS)
+def test_default_dispatch_outputs_and_gradients(dtype, t, h, mode, backend, monkeypatch):
+    monkeypatch.setattr(dispatch, "_TRITON_SWITCH", [mode])
     if backend == "triton" and dispatch.triton_backend() is None:
         pytest.skip("triton is not installed")
     xs = _features(t, dtype, h=h)  # rounded to dtype: the same inputs for every reference

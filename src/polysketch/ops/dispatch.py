@@ -112,13 +112,14 @@ while each kernel is still a large batched one (no host sync either way). Not tu
 
 _HALF = (torch.float16, torch.bfloat16)
 
-TRITON_MIN_LENGTH = 16384
+TRITON_MIN_LENGTH = 1024
 """T from which ``"chunked"`` picks the Triton kernels on CUDA by default (``triton_mode()``
 "auto"). It comes from the attention table of ``make gpu-check`` (``benchmarks/gpu_check.py``:
 forward + backward, bf16, B = 1, H = 12, D = 64, psf_random's map, the default dispatch,
 ``chunked_blocks`` and ``triton`` side by side at 1k-64k; the figures in ``docs/gpu.md``): the
-shortest length at which ``triton`` was measured faster than ``chunked_blocks``. Lower it to
-the shortest length that table shows faster."""
+shortest length from which ``triton`` was measured faster than ``chunked_blocks`` at every
+length timed (the table starts at 1k: shorter calls are unmeasured and keep
+``chunked_blocks``)."""
 
 TRITON_DEFAULT_DTYPES = (torch.bfloat16,)
 """Input dtypes for which "auto" picks Triton (the measured one; fp16 and fp32 run the fp32
