@@ -30,3 +30,13 @@ def test_arguments_are_checked(tmp_path):
     for bad in (["--calls", "0"], ["--lengths", "1k"], ["--lengths", "0"]):
         with pytest.raises(SystemExit):
             gpu_profile.main(["--smoke", "--out", str(tmp_path / "p"), *bad])
+
+
+def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "profile"
+    args = ["--smoke", "--out", str(out), "--calls", "1", "--lengths", "32"]
+    assert gpu_profile.main([*args, "--algorithms", "no_such_backend,chunked_blocks"]) == 0
+    rows = list(csv.DictReader(open(out / "profile.csv", encoding="utf-8")))
+    failed = rows[0]["status"]
+    assert failed.startswith("error (ValueError") and "no_such_backend" in failed
+    assert rows[1]["status"].startswith("ok")
