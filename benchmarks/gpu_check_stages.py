@@ -72,6 +72,13 @@ COMPILED = ("softmax", "psf_random")
 """The attentions whose model step is also timed compiled (``torch.compile``, inductor,
 mode "reduce-overhead": CUDA graphs replay the step, no host time per launch)."""
 COMPILED_LABEL = " (compiled)"
+COMPILE_SECONDS = {"softmax": 60.0}
+"""Seconds a compiled row is expected to spend building its step, by attention (others:
+``COMPILE_SECONDS_OTHER``). On the first H200 run softmax's built within its 60 s while
+psf_random's did not finish in the ~50 s the stage had left; on a 2-core CPU psf_random's first
+compiled step takes 1.4-2.8x softmax's (105 s against 37-73 s at 1-2 layers of 12 x 768), so a
+row is skipped, not stopped half-built, when the stage cannot give it ~3x softmax's time."""
+COMPILE_SECONDS_OTHER = 180.0
 
 
 def run(stage: str, *, smoke: bool, out: Path, budget: float, warm=()) -> dict | None:
@@ -332,7 +339,8 @@ def _model(setting: Setting, out: Path, deadline: float) -> dict:
         label = attention + (COMPILED_LABEL if compiled else "")
         compile_kw = {"compile": "inductor", "compile_mode": "reduce-overhead"} if compiled else {}
         prev = walls.get(attention)  # a compiled step: the eager one's time, compiling aside
-        estimate = 0.0 if prev is None else prev[1] * t / prev[0] + (60.0 if compiled else 0)
+        build = COMPILE_SECONDS.get(attention, COMPILE_SECONDS_OTHER) if compiled else 0.0
+        estimate = 0.0 if prev is None else prev[1] * t / prev[0] + build
         if not _fits(deadline, estimate):
             skipped.append(f"{label} T={t}")
             rows.append({"attention": label, "T": t,
