@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import platform
@@ -145,7 +146,7 @@ def _environment(smoke: bool) -> dict:
     env = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
         "python": platform.python_version(), "torch": torch.__version__,
-        "smoke": smoke, "commit": _commit(),
+        "smoke": smoke, "commit": _commit(), "source": source_digest(),
     }  # fmt: skip
     try:
         import triton
@@ -161,6 +162,18 @@ def _environment(smoke: bool) -> dict:
     else:
         env["gpu"] = "none (CPU)"
     return env
+
+
+def source_digest() -> str:
+    """The first 12 hex digits of SHA-256 over ``src/`` and ``benchmarks/`` (each ``.py`` file's
+    path and bytes, in path order): what ran, also where the machine's copy of ``.git`` lags the
+    working tree (the first H200 run's second call printed its session's starting commit);
+    files git does not track count too."""
+    digest = hashlib.sha256()
+    files = (p for folder in ("src", "benchmarks") for p in (ROOT / folder).rglob("*.py"))
+    for path in sorted(files):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _commit() -> str:
@@ -321,7 +334,8 @@ def _summary(out: Path, stages: dict, env: dict, total: float, args) -> str:
         f"{env['date']}; {env['gpu']}"
         + (f" ({env['sms']} SMs, {env['gpu_memory_gib']} GiB)" if "sms" in env else "")
         + f"; torch {env['torch']}, triton {env['triton']}, Python {env['python']}; "
-        f"commit {env['commit']}. Total {total:.0f} s (budget {args.budget:.0f} s).",
+        f"commit {env['commit']}, source {env['source']}. Total {total:.0f} s (budget "
+        f"{args.budget:.0f} s).",
         "",
         "## Stages",
         "",

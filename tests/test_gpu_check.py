@@ -43,6 +43,7 @@ def test_smoke_run_writes_one_folder_and_prints_the_summary_last(tmp_path, capsy
     }  # fmt: skip
     for table in ("## tests/gpu", "## Attention training", "## Model training", "## Decoding"):
         assert table in summary
+    assert f"source {gpu_check.source_digest()}." in summary  # what ran, whatever git says
     assert "Triton faster than chunked_blocks at T =" in summary
     # the folder is refused when not empty, unless --overwrite
     assert gpu_check.main(["--smoke", "--out", str(out)]) == 2
