@@ -100,3 +100,21 @@ def test_a_token_costs_amortized_constant_rows():
             pointers.add(cache._k.data_ptr())
             assert cache._k.shape[-2] <= cache.length + max(cache.length // 4, 64)
     assert cache.length == 1010 and len(pointers) <= 12  # 74, 138, 202, 266, 332, ..., 1262
+
+
+def test_a_prompt_cached_under_inference_mode_decodes_outside_it():
+    """Buffers made under torch.inference_mode cannot be written outside it: they are copied
+    (a cat per token never wrote in place, so this worked before and must still)."""
+    g = seeded(5)
+    cache = KVCache()
+    k0, v0 = _kv(g, 5)
+    with torch.inference_mode():
+        cache.append(k0, v0, None)
+    k1, v1 = _kv(g, 1)
+    with torch.no_grad():
+        got_k, got_v, _ = cache.append(k1, v1, None)
+    assert torch.equal(got_k, torch.cat([k0, k1], dim=-2))
+    assert torch.equal(got_v, torch.cat([v0, v1], dim=-2))
+    with torch.no_grad():  # and the copy is a buffer this cache writes from then on
+        got_k, _, _ = cache.append(k1, v1, None)
+    assert got_k.shape[-2] == 7 and not got_k.is_inference()

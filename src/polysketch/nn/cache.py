@@ -136,7 +136,7 @@ class KVCache(_Cache):
             self._k, self._v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
             self._owned = False
         else:
-            if not self._owned or t + n > self._k.shape[-2]:
+            if not self._owned or t + n > self._k.shape[-2] or _frozen(self._k):
                 self._k, self._v = _grown(self.k, t + n), _grown(self.v, t + n)
                 self._owned = True
             self._k.narrow(-2, t, n).copy_(k)
@@ -159,6 +159,11 @@ def _filled(buffer: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     if buffer is None or buffer.shape[-2] == rows:
         return buffer
     return buffer.narrow(-2, 0, rows)
+
+
+def _frozen(buffer: torch.Tensor) -> bool:
+    """A buffer made under ``torch.inference_mode`` cannot be written outside it: copy it."""
+    return buffer.is_inference() and not torch.is_inference_mode_enabled()
 
 
 def _under_autograd(x: torch.Tensor) -> bool:
