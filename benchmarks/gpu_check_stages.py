@@ -74,10 +74,9 @@ mode "reduce-overhead": CUDA graphs replay the step, no host time per launch).""
 COMPILED_LABEL = " (compiled)"
 COMPILE_SECONDS = {"softmax": 60.0}
 """Seconds a compiled row is expected to spend building its step, by attention (others:
-``COMPILE_SECONDS_OTHER``). On the first H200 run softmax's built within its 60 s while
-psf_random's did not finish in the ~50 s the stage had left; on a 2-core CPU psf_random's first
-compiled step takes 1.4-2.8x softmax's (105 s against 37-73 s at 1-2 layers of 12 x 768), so a
-row is skipped, not stopped half-built, when the stage cannot give it ~3x softmax's time."""
+``COMPILE_SECONDS_OTHER``, about 3x softmax's: psf_random's step did not build in the time a
+GPU check's stage had left, and builds 1.4-2.8x slower than softmax's on a CPU; docs/gpu.md).
+A row that cannot get its time is skipped, not stopped half-built."""
 COMPILE_SECONDS_OTHER = 180.0
 
 

@@ -28,9 +28,9 @@ def _deterministic():
 
 
 # torch._assert_async refuses a message of 255 bytes or more on CUDA (250 on MPS) before it checks
-# anything, and takes any length on the CPU: the first GPU run (2026-11-29, H200) failed every
-# normalizer check so. Every test runs with the device's limit, so a device path exercised on the
-# CPU (``presented_device("cuda")``, ``asynchronous=True``) cannot carry a message a GPU refuses.
+# anything, and takes any length on the CPU: the first GPU check failed every normalizer check so
+# (docs/gpu.md). Every test runs with the device's limit, so a device path exercised on the CPU
+# (``presented_device("cuda")``, ``asynchronous=True``) cannot carry a message a GPU refuses.
 DEVICE_ASSERT_LIMIT = 250
 _assert_async = torch._assert_async
 

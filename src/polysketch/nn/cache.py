@@ -97,8 +97,8 @@ class KVCache(_Cache):
     Keys and values live in buffers of capacity ≥ t that grow by a quarter (at least
     ``MIN_CAPACITY`` rows) when full, so appending n tokens writes n rows and copies at most
     4n more in amortized terms (as a list's append), holding ≤ 1.25 t + 64 rows, where a
-    ``torch.cat`` per step copies all t rows (O(t) a token: at t = 32k that copy dominated a
-    GPU decode step, 14.5 ms a token against 2.1 at 2k for the 4 × 256 model, 2026-11-29).
+    ``torch.cat`` per step copies all t rows (O(t) a token, which dominated a long-context
+    decode step on a GPU: ``docs/gpu.md``).
     ``append`` returns views of the filled rows. Under autograd (a key or value that requires
     grad, with grad enabled) it appends by ``torch.cat`` instead, the reference path: an in-place
     write could change a tensor a graph saved. ``num_floats`` counts the t filled rows."""
