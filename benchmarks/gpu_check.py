@@ -11,7 +11,7 @@ stage costs only itself (issue 39 §1):
    by default and by Triton, T = 1k-64k, with Triton's full autotuning;
 3. ``model``: ``TransformerLM`` training tokens/s and peak memory (12 × 768, bf16 autocast;
    ``polysketch.eval.bench.run_model_benchmark``) for softmax, psf_random and
-   soft_hash_far_local at 8k, 16k and 32k;
+   the recommended long-context preset (``soft_hash_far_local_balanced``) at 8k, 16k and 32k;
 4. ``decode``: whole-model greedy decoding ms/token against softmax's KV cache at 2k and 32k
    (``polysketch.eval.bench.run_decode_benchmark`` on ``TransformerLM``, and a Llama built from
    a random-init config and converted, ``benchmarks/decode.py``).
@@ -58,9 +58,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import gpu_check_stages as measure
-from gpu_check_stages import ATTENTIONS, GPU, SMOKE
+from gpu_check_stages import ATTENTIONS, GPU, LONG_CONTEXT_PRESET, SMOKE
 
-__all__ = ["main", "ATTENTIONS", "FILES", "STAGES"]
+__all__ = ["main", "ATTENTIONS", "FILES", "LONG_CONTEXT_PRESET", "STAGES"]
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("tests", "attention", "model", "decode")

@@ -35,7 +35,7 @@ def test_smoke_run_writes_one_folder_and_prints_the_summary_last(tmp_path, capsy
     model = _rows(out / "model.csv")
     assert [r["attention"] for r in model] == list(gpu_check.ATTENTIONS)
     assert all(r["status"] == "ok" and float(r["x_softmax"]) > 0 for r in model)
-    assert {r["attention"]: r["chunk_size"] for r in model}["soft_hash_far_local"] == "64"
+    assert {r["attention"]: r["chunk_size"] for r in model}[gpu_check.LONG_CONTEXT_PRESET] == "64"
     decode = _rows(out / "decode.csv")
     assert {(r["model"], r["attention"]) for r in decode} == {
         *(("TransformerLM", a) for a in gpu_check.ATTENTIONS),
