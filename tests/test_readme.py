@@ -156,7 +156,7 @@ def test_readme_is_short_and_names_the_recommended_preset_in_its_first_screen():
     assert len(lines) <= 250
     first_screen = "\n".join(lines[:50])
     assert "## Which attention for what" in first_screen
-    assert "`soft_hash_far_local_tied`" in first_screen and "recommended" in first_screen
+    assert "`soft_hash_far_local_balanced`" in first_screen and "recommended" in first_screen
     gpu = README.split("## On a GPU", 1)[1].split("\n## ", 1)[0]
     assert "make gpu-check" in gpu and "docs/gpu.md" in gpu and len(gpu.splitlines()) <= 12
 
