@@ -129,3 +129,23 @@ def test_soft_hash_far_reads_earlier_blocks_only_and_refuses_what_it_lacks():
         resolve_attention("soft_hash_far", 8, {"degree": 2})
     with pytest.raises(ValueError, match="learn_balance"):
         KernelAttention(16, 2, attention="soft_hash_far", learn_balance=True)
+
+
+def test_a_far_only_attention_without_a_wide_enough_window_is_refused_with_the_fix():
+    """soft_hash_far reads only earlier blocks, so a model must give it an exact window of
+    >= chunk_size keys: refused otherwise, the message naming what to change."""
+    from polysketch.nn import TransformerConfig, TransformerLM
+
+    def build(**kw):
+        cfg = dict(vocab_size=32, block_size=64, n_layer=1, n_head=2, n_embd=32, **kw)
+        return TransformerLM(TransformerConfig(**cfg).validate())
+
+    with pytest.raises(
+        ValueError, match=r"local_window=64 \(chunk_size <= 64, or local_window >= 256\)"
+    ):
+        build(attention="soft_hash_far_local_balanced", chunk_size=256)
+    with pytest.raises(
+        ValueError, match=r"local_window=None \(a model preset .*soft_hash_far_local_balanced"
+    ):
+        build(attention="soft_hash_far", chunk_size=16)
+    build(attention="soft_hash_far_local_balanced", chunk_size=64)  # the preset's own block

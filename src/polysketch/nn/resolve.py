@@ -308,10 +308,15 @@ def resolve_model(config) -> ModelSpec:
         and attention.local == "none"
         and (window is None or window < config.chunk_size)
     ):
+        fix = (
+            "a model preset that carries one, e.g. soft_hash_far_local_balanced"
+            if window is None
+            else f"chunk_size <= {window}, or local_window >= {config.chunk_size}"
+        )
         raise ValueError(
             f"attention={name!r} reads only the blocks of chunk_size={config.chunk_size} "
             f"before each query's own: it needs an exact window of >= chunk_size keys beside "
-            f"it, got local_window={window} (use the model preset soft_hash_far_local)"
+            f"it, got local_window={window} ({fix})"
         )
     local = None if hybrid is None else resolve_attention("sliding_window", head_dim,
                                                             window=hybrid.window)  # fmt: skip
