@@ -167,6 +167,6 @@ def resolve_converted(
             f"attention={attention!r} reads only the blocks of chunk_size={chunk_size} before "
             f"each query's own: it needs an exact window of >= chunk_size keys beside it, got "
             f"local_window={local_window}: convert(model, {attention!r}, local_window="
-            f"{chunk_size}), or the model preset 'soft_hash_far_local'"
+            f"{chunk_size}), or the model preset 'soft_hash_far_local_balanced'"
         )
     return ConvertedAttention(name, chunk_size, local_window, global_heads, lam, map_kwargs)
