@@ -2,19 +2,17 @@
 
 Loads ``--model`` (a directory written by ``save_pretrained``) with transformers'
 ``from_pretrained``, converts its attention (``--attention``: a preset such as ``psf_mixed``,
-any feature-map name, or a model preset such as ``soft_hash_far_local``, its attention beside
-an exact sliding window), trains the added modules to match each layer's softmax outputs on
-``--data`` (attention transfer), fine-tunes on the LM loss (LoRA through peft, or full), and
-reports the validation loss / perplexity of the original, after conversion, after stage 1
-and after stage 2, with the decode-state size against the KV cache. Writes into ``--out``
+any feature-map name, or a model preset such as ``soft_hash_far_local_balanced``, its attention
+beside an exact sliding window), trains the added modules to match each layer's softmax outputs
+on ``--data`` (attention transfer), fine-tunes on the LM loss (LoRA through peft, or full), and
+reports the validation loss / perplexity of the original, after conversion, after stage 1 and
+after stage 2, with the decode-state size against the KV cache. Writes into ``--out``
 (atomically): ``results.json``, ``results.csv``, ``linearize.png`` and the converted model
 (``model/``, reload it with ``polysketch.integrations.transformers.load_converted``); a
 non-empty ``--out`` is refused unless ``--overwrite``. ``--model`` must be a folder; with
 ``--finetune lora`` (the default) the LoRA targets are checked against the model before any
-conversion or training.
-Needs the ``hf`` extra (``pip install polysketch[hf]``). The data are byte-tokenized
-(``polysketch.data``): the model must have a byte vocabulary (>= 256 ids).
-"""
+conversion or training. Needs the ``hf`` extra (``pip install polysketch[hf]``). The data are
+byte-tokenized (``polysketch.data``): the model must have a byte vocabulary (>= 256 ids)."""
 
 from __future__ import annotations
 
@@ -40,7 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="directory written by save_pretrained")
     p.add_argument("--attention", default="psf_mixed", choices=valid_model_attentions(),
                    metavar="NAME",
-                   help="attention preset, feature-map name or model preset (soft_hash_far_local: "
+                   help="attention preset, feature-map name or model preset (e.g. the recommended "
+                   "soft_hash_far_local_balanced: "
                    "its attention beside an exact sliding window in every layer)")  # fmt: skip
     p.add_argument("--data", default="shakespeare", help="shakespeare, stdlib or a text path")
     p.add_argument(
