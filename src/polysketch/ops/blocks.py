@@ -123,6 +123,12 @@ def _mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return out.view(*lead, *out.shape[-2:])
 
 
+def _blocks_of(x: torch.Tensor, sl: slice, n: int) -> torch.Tensor:
+    """The blocks ``sl`` of x (..., n, b, X): x itself when ``sl`` spans all n (the accelerator
+    layout's one group: no slice dispatched, a host cost per op on a GPU)."""
+    return x if sl.start == 0 and sl.stop == n else x[..., sl, :, :]
+
+
 def _scores(la: torch.Tensor, lb: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """G = Â B̂ᵀ per block (..., G, b, b) in the accumulation dtype (operands as given)."""
     return _mm(la, lb.transpose(-1, -2)).to(acc)
@@ -160,7 +166,7 @@ class _BlockAttention(torch.autograd.Function):
         state, outs, prefixes = p0, [], []  # state None: zero (no initial state)
         for start in range(0, n, group):
             sl = slice(start, min(n, start + group))
-            ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
+            ag, bg, cg, lag, lbg = (_blocks_of(x, sl, n).to(od) for x in (A, B, C, LA, LB))
             s = _mm(space.keys(bg).transpose(-1, -2), cg).to(acc)  # (..., G, F', E+1)
             prefix = _exclusive_prefix(state, s)
             pod = prefix.to(od)
@@ -199,8 +205,8 @@ class _BlockAttention(torch.autograd.Function):
         for start in reversed(starts):
             carry = start > 0 or ctx.needs_input_grad[3]  # R is read again (or returned)
             sl = slice(start, min(n, start + group))
-            ag, bg, cg, lag, lbg = (x[..., sl, :, :].to(od) for x in (A, B, C, LA, LB))
-            dog = dO[..., sl, :, :].to(acc)
+            ag, bg, cg, lag, lbg = (_blocks_of(x, sl, n).to(od) for x in (A, B, C, LA, LB))
+            dog = _blocks_of(dO, sl, n).to(acc)
             dod = dog.to(od)
             # local: M = lt(G^p), out = M C̃ (none without in-block scores)
             dc = dla = dlb = None
@@ -214,7 +220,7 @@ class _BlockAttention(torch.autograd.Function):
                 dla = _mm(dgo, lbg).to(acc)
                 dlb = _mm(dgo.transpose(-1, -2), lag).to(acc)
             # read of the prefixes: out += Ψq(A) P
-            pod = pods[..., sl, :, :]
+            pod = _blocks_of(pods, sl, n)
             qf = space.queries(ag)
             dqf = _mm(dod, pod.transpose(-1, -2)).to(acc)  # (..., G, b, F')
             dp = _mm(qf.transpose(-1, -2), dod).to(acc)  # (..., G, F', E+1)
