@@ -23,9 +23,10 @@ pseudo-random function of the bits of ``C`` itself and of the operands' shapes (
 choose kernels by shape, so a row computed alone need not round as it does in a batch): the
 same inputs of the same shapes give the same output, so properties a test checks bit for bit
 (causality, state splitting over equal shapes) still hold exactly, while every comparison of
-two different summations is perturbed by a realistic amount. Tests opt in through
-``POLYSKETCH_TEST_BLAS_NOISE=1`` (see ``conftest.py``); ``tests/test_numerics_portability.py``
-runs the numerics tests under it.
+two different summations is perturbed by a realistic amount. ``seed`` picks one "other BLAS"
+among many (it enters the hash): rerunning a comparison under several seeds shows the spread of
+its margin. Tests opt in through ``POLYSKETCH_TEST_BLAS_NOISE=<seed>`` (a positive integer; see
+``conftest.py``); ``tests/test_numerics_portability.py`` runs the numerics tests under it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,21 @@ def _unit_noise(c: torch.Tensor, salt: int) -> torch.Tensor:
 
 
 class BlasNoise(TorchDispatchMode):
-    """Adds ``xi * sqrt(n - 1) * u * (|A| |B|)`` to every floating-point matmul-family result."""
+    """Adds ``xi * sqrt(n - 1) * u * (|A| |B|)`` to every floating-point matmul-family result;
+    ``seed`` (a positive integer) selects the pseudo-random ``xi``. ``u`` is the unit roundoff
+    of the product's accumulation dtype, or of ``unit_of`` when given: an fp64 computation under
+    ``unit_of=torch.float32`` shows how an fp32 BLAS's rounding moves its result (fp64 itself
+    adding almost nothing), which is how ``numerics.rounding_sigma`` measures a value's
+    sensitivity to rounding."""
+
+    def __init__(self, seed: int = 1, *, unit_of: torch.dtype | None = None) -> None:
+        super().__init__()
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 1:
+            raise ValueError(f"seed must be a positive integer, got {seed!r}")
+        if unit_of is not None and not unit_of.is_floating_point:
+            raise TypeError(f"unit_of must be a floating dtype, got {unit_of}")
+        self.seed = seed
+        self.unit_of = unit_of
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -93,9 +108,9 @@ class BlasNoise(TorchDispatchMode):
             absprod = _PLAIN[func](a.abs(), b.abs())
             terms = _PLAIN[func]((a != 0).to(acc), (b != 0).to(acc))
         alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-        u = torch.finfo(acc).eps / 2
+        u = torch.finfo(acc if self.unit_of is None else self.unit_of).eps / 2
         # BLAS libraries pick kernels by shape: a product of other sizes rounds differently
-        salt = hash((tuple(a.shape), tuple(b.shape))) & 0x7FFFFFFF
+        salt = hash((tuple(a.shape), tuple(b.shape), self.seed)) & 0x7FFFFFFF
         # n nonzero terms: n - 1 additions whose order a BLAS chooses; with n <= 1 (a product by
         # the identity, a masked row) every order gives the same, often exact, result
         scale = (terms - 1).clamp_min(0).sqrt() * (u * abs(float(alpha)))

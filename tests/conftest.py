@@ -49,13 +49,17 @@ def _assert_async_as_on_a_device(condition, assert_msg=None):
 torch._assert_async = _assert_async_as_on_a_device
 
 
-@pytest.fixture(autouse=os.environ.get("POLYSKETCH_TEST_BLAS_NOISE") == "1")
+_NOISE_SEED = os.environ.get("POLYSKETCH_TEST_BLAS_NOISE", "")
+
+
+@pytest.fixture(autouse=_NOISE_SEED not in ("", "0"))
 def _blas_noise():
-    """Under POLYSKETCH_TEST_BLAS_NOISE=1 every matmul rounds as another BLAS would (blas_noise.py):
-    tests/test_numerics_portability.py runs the numerics tests so, on every machine."""
+    """Under POLYSKETCH_TEST_BLAS_NOISE=<seed> (a positive integer) every matmul rounds as another
+    BLAS would (blas_noise.py), one "other BLAS" per seed: tests/test_numerics_portability.py runs
+    the numerics tests so, on every machine."""
     from blas_noise import BlasNoise
 
-    with BlasNoise():
+    with BlasNoise(int(_NOISE_SEED)):
         yield
 
 

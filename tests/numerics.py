@@ -15,6 +15,10 @@ tolerance follows from the dtype and the sizes instead of from what one machine 
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable, Sequence
+
 import torch
 
 
@@ -79,29 +83,149 @@ def linear_attention_error_bound(
     return (dn + out.abs() * dz) / z.abs() + unit_roundoff(dtype) * out.abs()
 
 
+def rounding_sigma(
+    exact_fn: Callable[[], torch.Tensor], *, like: torch.dtype = torch.float32, draws: int = 6
+) -> torch.Tensor:
+    """σ_t, how far rounding in ``like`` moves each row t (the last dim: a token's logits) of
+    the value ``exact_fn()`` computes in fp64: the RMS, over ``draws`` runs of ``exact_fn``
+    under ``BlasNoise`` at ``like``'s unit roundoff (each run another BLAS's summation orders),
+    of ‖out_s,t − out_t‖, with the floor u ‖out_t‖ of one rounding of the row itself:
+
+        σ_t² = (1/S) Σ_s ‖out_s,t − out_t‖² + (u ‖out_t‖)².
+
+    A row whose value hangs on a cancelling sum (at random init, the first tokens' q·k after a
+    LayerNorm, or a polynomial score of a small dot product) has a large σ_t: its error in any
+    computation of ``like`` is a draw of that size, and dividing by σ_t takes the row's
+    condition out of a comparison (``assert_as_accurate(..., sigma=)``). exact_fn runs in fp64
+    and is called draws + 1 times. Returns (..., ) = the value's shape without its last dim."""
+    from blas_noise import BlasNoise
+
+    if draws < 5:
+        raise ValueError(f"draws must be >= 5 (a finite variance of scaled errors), got {draws}")
+    with torch.no_grad():
+        base = exact_fn().double()
+        acc = torch.zeros(base.shape[:-1], dtype=torch.float64)
+        for s in range(draws):
+            with BlasNoise(1_000_003 + s, unit_of=like):
+                acc += (exact_fn().double() - base).pow(2).sum(-1)
+        floor = unit_roundoff(like) * base.norm(dim=-1)
+        return (acc / draws + floor.pow(2)).sqrt()
+
+
+def per_token_in_other_shapes(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, extra: Sequence[int] = (0, 5, 11)
+) -> list[torch.Tensor]:
+    """fn(x) for a map that acts on each token (row of dim -2) alone, computed inside longer
+    inputs: x followed by e more random tokens along dim -2, for each e in ``extra``, then cut
+    back to x's tokens. The same values, summed in other shapes: references for
+    ``assert_as_accurate`` where ``got`` rounds in another shape than fn(x)."""
+    g = torch.Generator().manual_seed(54321)
+    t = x.shape[-2]
+    out = []
+    with torch.no_grad():
+        for e in extra:
+            more = torch.randn(*x.shape[:-2], e, x.shape[-1], generator=g, dtype=torch.float64)
+            out.append(fn(torch.cat([x, more.to(x.dtype)], dim=-2))[..., :t, :])
+    return out
+
+
+def relative_error(x: torch.Tensor, exact: torch.Tensor, norm: str = "max",
+                   sigma: torch.Tensor | None = None) -> float:  # fmt: skip
+    """The error of ``x`` against ``exact``, in fp64: max-abs over max |exact| (``norm="max"``),
+    Frobenius over ‖exact‖ (``norm="fro"``), or, given ``sigma`` (``rounding_sigma``), the RMS
+    over rows of ‖x_t − exact_t‖ / σ_t (``norm="sigma"``: in units of each row's rounding)."""
+    if norm not in ("max", "fro", "sigma"):
+        raise ValueError(f"norm must be 'max', 'fro' or 'sigma', got {norm!r}")
+    d, e = x.detach().double() - exact.detach().double(), exact.detach().double()
+    tiny = torch.finfo(e.dtype).tiny
+    if norm == "max":
+        return float(d.abs().max() / e.abs().max().clamp_min(tiny))
+    if norm == "fro":
+        return float(d.norm() / e.norm().clamp_min(tiny))
+    if sigma is None or sigma.shape != e.shape[:-1]:
+        raise ValueError(f"norm='sigma' needs sigma of shape {tuple(e.shape[:-1])}")
+    return float((d.norm(dim=-1) / sigma.double().clamp_min(tiny)).pow(2).mean().sqrt())
+
+
+def _record(got_err: dict, ref_err: dict, n_refs: int, factor: float, norm: str) -> None:
+    """Appends one line per comparison to $POLYSKETCH_TEST_MARGINS (a JSON-lines file), with the
+    errors in each norm: ``tests/numerics_margins.py`` tabulates them per branch."""
+    path = os.environ.get("POLYSKETCH_TEST_MARGINS")
+    if not path:
+        return
+    row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+           "norm": norm, "factor": factor, "refs": n_refs,
+           "got": got_err, "ref": ref_err}  # fmt: skip
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def assert_as_accurate(
     got: torch.Tensor,
-    reference: torch.Tensor,
+    reference: torch.Tensor | Sequence[torch.Tensor],
     exact: torch.Tensor,
     *,
     factor: float = 2.0,
     norm: str = "max",
+    sigma: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> None:
     """flash-attention's rule for two ways of computing one value in the same dtype: the error
     of ``got`` against ``exact`` (an fp64 computation) is at most ``factor`` (2) times that of
     ``reference`` (the plain path, same dtype), plus one unit roundoff. Errors are relative:
     max-abs over max |exact| (``norm="max"``, for large tensors), or Frobenius over ‖exact‖
     (``norm="fro"``, steadier for small ones). Holds on every BLAS: both paths round by the
-    same machine's arithmetic."""
+    same machine's arithmetic.
 
-    def err(x: torch.Tensor) -> float:
-        d, e = x.double() - exact.double(), exact.double()
-        if norm == "max":
-            return float(d.abs().max() / e.abs().max().clamp_min(torch.finfo(e.dtype).tiny))
-        return float(d.norm() / e.norm().clamp_min(torch.finfo(e.dtype).tiny))
+    Where ``got`` rounds in other shapes than the reference (a padded batch against the row
+    alone, a decode step against the full forward, a joint call against separate ones), both
+    errors are draws of one random variable, the orders a BLAS picks per shape, and a bound
+    that rests on one draw fails whenever that draw is small (issue 69: a max-norm 2.04e-5
+    against 4.32e-5 on one MKL path). There:
 
-    err_got, err_ref = err(got), err(reference)
+    * ``reference`` is several computations of the value in other shapes (a sequence, at least
+      three): the yardstick is the largest of their errors, never one lucky draw;
+    * ``sigma`` (``rounding_sigma``, or a callable returning it, called only when needed)
+      measures each row's error in units of that row's own sensitivity to rounding
+      (``norm="sigma"``). A few ill-conditioned rows (the first tokens of a random-init model)
+      otherwise carry most of any plain norm, so that the ratio of two errors is the ratio of
+      two single draws, which exceeds 2 often (``tests/numerics_margins.py`` shows it); in
+      sigma units every row weighs alike and the RMS over many rows is steady. The unit
+      roundoff term is then one rounding of each row in those units. With ``norm="fro"`` (or
+      ``"max"``) and ``sigma`` given, the bound is: within ``factor`` in that norm, or, where
+      it fails there, in sigma units (the same claim, stated where it is steady): sigma costs
+      a few fp64 runs, paid only where the plain norm is carried by a few rows."""
+    refs = [reference] if isinstance(reference, torch.Tensor) else list(reference)
+    if not refs:
+        raise ValueError("reference must hold at least one tensor")
+    for r in refs:
+        if r.shape != exact.shape or got.shape != exact.shape:
+            raise ValueError(f"shapes {tuple(got.shape)} (got), {tuple(r.shape)} (a reference) "
+                             f"and {tuple(exact.shape)} (exact) differ")  # fmt: skip
+    if norm not in ("max", "fro", "sigma"):
+        raise ValueError(f"norm must be 'max', 'fro' or 'sigma', got {norm!r}")
+    if norm == "sigma" and sigma is None:
+        raise ValueError("norm='sigma' needs sigma (numerics.rounding_sigma)")
     u = unit_roundoff(got.dtype)
-    assert err_got <= factor * err_ref + u, (
-        f"error {err_got:.3g} > {factor:g} x {err_ref:.3g} (the reference path's) + u"
+    got_err = {n: relative_error(got, exact, n) for n in ("max", "fro")}
+    ref_err = {n: max(relative_error(r, exact, n) for r in refs) for n in ("max", "fro")}
+    checks = [] if norm == "sigma" else [norm]
+    plain_ok = norm != "sigma" and got_err[norm] <= factor * ref_err[norm] + u
+    if sigma is not None and (not plain_ok or os.environ.get("POLYSKETCH_TEST_MARGINS")):
+        sig = sigma() if callable(sigma) else sigma
+        got_err["sigma"] = relative_error(got, exact, "sigma", sig)
+        ref_err["sigma"] = max(relative_error(r, exact, "sigma", sig) for r in refs)
+        rows = exact.detach().double().norm(dim=-1)
+        tiny = torch.finfo(torch.float64).tiny
+        u_sigma = float((u * rows / sig.double().clamp_min(tiny)).pow(2).mean().sqrt())
+        checks.append("sigma")
+    _record(got_err, ref_err, len(refs), factor, norm)
+    if plain_ok:
+        return
+    last = checks[-1]
+    bound = factor * ref_err[last] + (u_sigma if last == "sigma" else u)
+    tried = " and ".join(f"{n}: {got_err[n]:.3g} vs {ref_err[n]:.3g}" for n in checks)
+    largest = f", largest of {len(refs)}" if len(refs) > 1 else ""
+    assert got_err[last] <= bound, (
+        f"error {got_err[last]:.3g} > {factor:g} x {ref_err[last]:.3g} (the reference path's"
+        f"{largest}) + u ({last} norm; {tried})"
     )

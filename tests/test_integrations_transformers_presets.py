@@ -19,7 +19,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from numerics import assert_as_accurate  # noqa: E402
 from polysketch.cli import main  # noqa: E402
 from polysketch.integrations.transformers import (  # noqa: E402
     LinearizeConfig,
@@ -33,7 +32,14 @@ from polysketch.integrations.transformers import (  # noqa: E402
 )
 from polysketch.nn import MODEL_PRESETS, TransformerConfig  # noqa: E402
 from polysketch.ops.naive import DEFAULT_EPS  # noqa: E402
-from test_integrations_transformers import _decisive, ids, logits, tiny  # noqa: E402
+from test_integrations_transformers import (  # noqa: E402
+    _decisive,
+    assert_decoding_as_accurate,
+    ids,
+    logits,
+    tiny,
+)
+from test_integrations_transformers_padding import assert_padding_as_accurate  # noqa: E402
 
 V = 64
 H = 4  # the tiny models' query heads
@@ -164,7 +170,7 @@ def test_cached_decoding_equals_full_forward(family, name, kw, t, prefill):
     assert (dec64 - full64).abs().max() <= 1e-10 * full64.abs().max()
     cores = _cores(model)
     assert cache.num_floats() == x.shape[0] * sum(c.decode_state_size(t) for c in cores)
-    assert_as_accurate(_decode(model, x, prefill)[0], logits(model, x), full64)
+    assert_decoding_as_accurate(_decode(model, x, prefill)[0], model, exact, x)
 
 
 def test_decode_state_counts_both_branches():
@@ -197,8 +203,8 @@ def _batch(lengths=(100, 70, 30)):
                                                      SMALL_IDS[3]])  # fmt: skip
 def test_left_padded_generate_equals_each_row_alone(name, kw):
     """Prompts of 100, 70 and 30 tokens (blocks and window of 64) in one left-padded batch:
-    the same 12 greedy tokens as each alone, and first-step logits as accurate as the row's
-    own run (against fp64)."""
+    the same 12 greedy tokens as each alone, and first-step logits as accurate as the rows'
+    own runs (``assert_padding_as_accurate``)."""
     model = _decisive(convert(tiny("llama"), name, **kw))
     exact = copy.deepcopy(model).double()
     prompts, x, mask = _batch()
@@ -210,8 +216,8 @@ def test_left_padded_generate_equals_each_row_alone(name, kw):
             ones = torch.ones(1, len(p), dtype=torch.long)
             alone = model.generate(p[None], attention_mask=ones, **gen)
             assert torch.equal(out.sequences[r, x.shape[1] :], alone.sequences[0, len(p) :]), r
-            truth = logits(exact, p[None])[0, -1]
-            assert_as_accurate(out.logits[0][r], alone.logits[0][0], truth)
+    # the first step's logits are the prompts' last tokens' (the padding module's bound)
+    assert_padding_as_accurate(model, prompts, exact, steps=[out.logits[0]])
 
 
 # ----- save / load ---------------------------------------------------------------------------

@@ -84,20 +84,31 @@ def _single_fp64(tmp, model_kw=None, train_kw=None, **kw) -> dict:
         torch.set_default_dtype(torch.float32)
 
 
-def _close(got: dict, want: dict, exact: dict) -> None:
-    """``got`` (fp32 losses of a layout) as accurate as ``want`` (fp32, one process) against
-    ``exact`` (fp64, one process): training and validation losses together, relative
-    Frobenius error, at most twice the one-process run's (plus one fp32 unit roundoff)."""
+def _singles(tmp, model_kw=None, train_kw=None, **kw) -> list[dict]:
+    """The one-process fp32 run in three shapes: its batch of 4 in 1, 2 and 4 micro-batches
+    (``grad_accum``; the same steps in exact arithmetic, summed in other shapes)."""
+    train_kw = dict(train_kw or {})
+    return [_single(tmp, model_kw, {**train_kw, "grad_accum": g}, **kw) for g in (1, 2, 4)]
+
+
+def _close(got: dict, wants: list[dict], exact: dict, *, trained: bool = True) -> None:
+    """``got`` (fp32 losses of a layout) as accurate as ``wants`` (fp32, one process, in three
+    shapes: ``_singles``) against ``exact`` (fp64, one process): training and validation
+    losses together, relative Frobenius error, at most twice the largest of the one-process
+    runs' (plus one fp32 unit roundoff). The layout sums in other shapes than one process, so
+    both errors are draws of AdamW-amplified rounding: the yardstick is the largest of three
+    draws, not one (issue 69)."""
 
     def vec(x):
         return torch.cat([x["loss"], x["val"]])
 
-    assert_as_accurate(vec(got).float(), vec(want).float(), vec(exact), norm="fro")
-    assert want["loss"][-1] < want["loss"][0] - 0.5  # it trained
+    assert_as_accurate(vec(got).float(), [vec(w).float() for w in wants], vec(exact), norm="fro")
+    if trained:
+        assert all(w["loss"][-1] < w["loss"][0] - 0.5 for w in wants)
 
 
 def test_cp2_training_equals_one_process(tmp_path):
-    want, exact = _single(str(tmp_path)), _single_fp64(str(tmp_path))
+    want, exact = _singles(str(tmp_path)), _single_fp64(str(tmp_path))
     results = run_ranks(2, _rank_train, str(tmp_path), {}, {"cp": 2})
     for r in results:  # every rank reports the global loss
         _close(r, want, exact)
@@ -114,7 +125,7 @@ def test_cp2_training_equals_one_process(tmp_path):
 )
 def test_mesh_training_equals_one_process(tmp_path, world, model_kw, train_kw):
     single_kw = {k: v for k, v in train_kw.items() if k not in ("cp", "fsdp")}
-    want = _single(str(tmp_path), model_kw, single_kw)
+    want = _singles(str(tmp_path), model_kw, single_kw)
     exact = _single_fp64(str(tmp_path), model_kw, single_kw)
     for r in run_ranks(world, _rank_train, str(tmp_path), model_kw, train_kw, timeout=600):
         _close(r, want, exact)
@@ -162,7 +173,7 @@ def test_resume_is_exact_within_a_layout_and_to_rounding_across(tmp_path, world,
     run_ranks(world, _rank_train, tmp, {}, {**layout, "out_dir": f"{tmp}/b"}, False, 10)
     state = load_checkpoint(f"{tmp}/b/ckpt.pt", restore_rng=False)
     assert state["step"] == 10
-    reference, exact = _single(tmp), _single_fp64(tmp)  # one process, 20 steps
+    reference, exact = _singles(tmp), _single_fp64(tmp)  # one process, 20 steps
     model = state["model"]
     assert set(model) >= {"wte.weight", "lm_head.weight"} and all(
         type(v) is torch.Tensor for v in model.values()
@@ -217,7 +228,9 @@ def test_mqar_fsdp_with_accumulation_and_an_empty_validation_share():
     4: 2 rows) leaves two replicas without rows: they run a fully ignored row so that every
     rank joins FSDP2's collectives. Losses and validation losses as on one process."""
     cfg = _train_config(steps=6, eval_interval=3, grad_accum=2)
-    want = _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
+    want = [_summary(train(_model_config(vocab_size=64),
+                           _train_config(steps=6, eval_interval=3, grad_accum=g), _mqar(),
+                           progress=False)) for g in (1, 2, 4)]  # fmt: skip
     torch.set_default_dtype(torch.float64)
     try:
         exact = _summary(train(_model_config(vocab_size=64), cfg, _mqar(), progress=False))
@@ -225,9 +238,7 @@ def test_mqar_fsdp_with_accumulation_and_an_empty_validation_share():
         torch.set_default_dtype(torch.float32)
     for world, kw in ((2, {"fsdp": True, "grad_accum": 2}), (4, {"fsdp": True})):
         for r in run_ranks(world, _rank_train_mqar, kw):
-            assert_as_accurate(torch.cat([r["loss"], r["val"]]).float(),
-                               torch.cat([want["loss"], want["val"]]).float(),
-                               torch.cat([exact["loss"], exact["val"]]), norm="fro")  # fmt: skip
+            _close(r, want, exact, trained=False)
 
 
 def test_pack_rows_starts_documents_at_rows_and_after_separators():
@@ -240,10 +251,10 @@ def test_pack_rows_starts_documents_at_rows_and_after_separators():
 def test_packed_training_cp2_equals_one_process(tmp_path):
     """--pack: the same packed run on one process and on cp 2 (documents cross the shards)."""
     conv = {"short_conv": 3}  # the short convolution resets at document starts too
-    want = _single(str(tmp_path), conv, {"pack": True})
+    want = _singles(str(tmp_path), conv, {"pack": True})
     exact = _single_fp64(str(tmp_path), conv, {"pack": True})
     plain = _single(str(tmp_path), conv)
-    assert not torch.equal(want["loss"], plain["loss"])  # packing changed what is computed
+    assert not torch.equal(want[0]["loss"], plain["loss"])  # packing changed what is computed
     for r in run_ranks(2, _rank_train, str(tmp_path), conv, {"pack": True, "cp": 2}):
         _close(r, want, exact)
 
