@@ -15,6 +15,8 @@ Sub-commands (``python benchmarks/long_context.py CMD --help``):
   grid        the copy probe over distances × schedules × batch sizes × seeds (issue 44):
               softmax's onset, a candidate's gain at 1.5× it and at the budget, ablated
   grid-collect  one grid's tables and report from cells measured into several folders
+  heldout     the held-out table of a grid run to its budget (issue 70): gains as means of
+              three evaluations, the target per cell
 
 The experiments live in ``experiments/long_context/`` (the repository root goes on
 ``sys.path``).
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/
 from experiments.long_context import (  # noqa: E402
     grid_cli,
     grid_collect_cli,
+    heldout_cli,
     mqar_cli,
     mqar_diagnose_cli,
     positions_cli,
@@ -50,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     modules = (retrieval_cli, repeat_cli, positions_cli, mqar_cli, mqar_diagnose_cli,
-               timing_cli, grid_cli, grid_collect_cli)  # fmt: skip
+               timing_cli, grid_cli, grid_collect_cli, heldout_cli)  # fmt: skip
     for module in modules:
         module.register(sub)
     return parser

@@ -41,15 +41,28 @@ def _curve(points):
 
 
 def test_schedules_are_the_cli_defaults_and_the_probes_constant():
-    cli = schedule_options("cli")
+    """``cli`` is what ``polysketch train --steps 500`` runs (its warmup: 50, not 100; issue
+    70 item 1), read from the CLI's own parser; ``warmup100`` the grid's old ``cli``."""
+    from polysketch.cli import build_parser
+    from polysketch.commands.train import _configs_from_args
+
+    for steps in (500, 40, 3000):
+        args = build_parser().parse_args(["train", "--steps", str(steps), "--out", "unused"])
+        user = _configs_from_args(args)[1]
+        got = schedule_options("cli", steps)
+        assert (got["lr"], got["min_lr"], got["warmup_steps"]) == (
+            user.lr, user.min_lr, user.warmup_steps)
+    cli = schedule_options("cli", 500)
     d = TrainConfig()
-    assert (cli["lr"], cli["min_lr"], cli["warmup_steps"]) == (d.lr, d.min_lr, d.warmup_steps)
+    assert (cli["lr"], cli["min_lr"], cli["warmup_steps"]) == (d.lr, d.min_lr, 50)
     assert cli["schedule"] == "cosine"
-    const = ProbeSettings(**schedule_options("constant"))
+    old = schedule_options("warmup100", 500)
+    assert old == {**cli, "warmup_steps": 100}
+    const = ProbeSettings(**schedule_options("constant", 500))
     assert const.schedule == "constant" and const.final_lr == const.lr == 1e-3
     assert const.warmup_steps == 50
     with pytest.raises(ValueError, match="schedule"):
-        schedule_options("linear")
+        schedule_options("linear", 500)
 
 
 def test_onset_and_values_read_at_the_last_evaluation_before_a_step():

@@ -20,8 +20,12 @@ both; issue 44's target for a cell is g(1.5 t₀ˢ) ≥ ½ gˢ with g_abl(1.5 t�
 (``passes``). A cell where softmax has no onset within the budget says nothing of the
 candidate and is not counted.
 
-**Schedules** (``SCHEDULES``): ``"cli"`` is what ``polysketch train`` gives a user who sets
-only ``--steps``: ``TrainConfig``'s lr, min_lr and warmup_steps, cosine decay over the budget;
+**Schedules** (``SCHEDULES``): ``"cli"`` is what ``polysketch train --steps S`` gives a user
+who sets only ``--steps``: ``TrainConfig``'s lr and min_lr, the CLI's own warmup
+(``polysketch.train.default_warmup(S)``: 50 steps at S = 500; called, not copied, so the two
+cannot drift apart) and cosine decay over the budget; ``"warmup100"`` is the same with
+``TrainConfig().warmup_steps`` = 100 warm-up steps, which is what the grid's cells labelled
+``cli`` ran before 2026-12-07 (their ``grid.settings.json`` records it; issue 70 item 1);
 ``"constant"`` is the copy probe's of ``docs/results/long_context/`` (lr 1e-3, constant after
 50 warm-up steps).
 
@@ -44,7 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polysketch.train import TrainConfig
+from polysketch.train import TrainConfig, default_warmup
 
 __all__ = [
     "LN26",
@@ -63,18 +67,20 @@ LN26 = math.log(26)
 """The loss of a uniformly drawn letter (nats): a first occurrence's floor, a copy's gain."""
 ONSET_LOSS = LN26 / 2
 """Second-copy loss below which the copy has started (the onset)."""
-SCHEDULES = ("cli", "constant")
+SCHEDULES = ("cli", "warmup100", "constant")
 CELL_KEY = ("distance", "schedule", "batch_size", "seed", "attention")
 ABLATED_BAR = 0.05
 """Largest gain with the global branch switched off for the copy to count as the branch's."""
 
 
-def schedule_options(name: str) -> dict:
-    """The ``ProbeSettings`` fields (lr, min_lr, warmup_steps, schedule) of schedule ``name``."""
-    if name == "cli":
+def schedule_options(name: str, steps: int) -> dict:
+    """The ``ProbeSettings`` fields (lr, min_lr, warmup_steps, schedule) of schedule ``name``
+    for a budget of ``steps`` (module docstring)."""
+    if name in ("cli", "warmup100"):
         default = TrainConfig()
+        warmup = default_warmup(steps) if name == "cli" else default.warmup_steps
         return {"lr": default.lr, "min_lr": default.min_lr,
-                "warmup_steps": default.warmup_steps, "schedule": "cosine"}  # fmt: skip
+                "warmup_steps": warmup, "schedule": "cosine"}  # fmt: skip
     if name == "constant":
         return {"lr": 1e-3, "min_lr": None, "warmup_steps": 50, "schedule": "constant"}
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")

@@ -73,9 +73,11 @@ def register(subparsers) -> None:
                    help="softmax (the reference, run first) and candidates")  # fmt: skip
     p.add_argument("--distances", type=int, nargs="+", default=[512, 1024, 2048],
                    help="d: passages of d letters recur d tokens later; context 2d")  # fmt: skip
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
-                   help="cli: polysketch train's defaults (warmup, cosine decay over the "
-                   "budget); constant: lr 1e-3 after 50 warm-up steps")  # fmt: skip
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["cli", "constant"],
+                   help="cli: what polysketch train --steps gives (its default_warmup, cosine "
+                   "decay over the budget); warmup100: the same with 100 warm-up steps (the "
+                   "grid's `cli` before 2026-12-07); constant: lr 1e-3 after 50 warm-up "
+                   "steps")  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=500, help="the fixed budget of every cell")
@@ -153,7 +155,8 @@ def _run(args, argv) -> int:
     settings = {"model": model, "steps": opts["steps"], "probe_every": opts["probe_every"],
                 "val_windows": opts["val_windows"], "diagnose_every": opts["diagnose_every"],
                 "diagnose_windows": args.diagnose_windows, "stop_fraction": args.stop_fraction,
-                "schedules": {s: schedule_options(s) for s in SCHEDULES}}  # fmt: skip
+                "schedules": {s: schedule_options(s, opts["steps"])
+                              for s in SCHEDULES}}  # fmt: skip
     if args.stop_at_target:  # only when set: grids measured without it keep their settings
         settings["stop_at_target"] = True
     kw = dict(settings=settings, reuse=args.reuse, overwrite=args.overwrite)
@@ -176,7 +179,7 @@ def _run(args, argv) -> int:
     for cell in tqdm(todo, desc="grid cells", disable=args.no_progress):
         ps = ProbeSettings(**model, context=2 * cell["distance"], batch_size=cell["batch_size"],
                            steps=opts["steps"], seed=cell["seed"],
-                           **schedule_options(cell["schedule"]))  # fmt: skip
+                           **schedule_options(cell["schedule"], opts["steps"]))  # fmt: skip
         key = (cell["distance"], cell["batch_size"], cell["seed"])
         if key != data_key:
             layout = SimpleNamespace(smoke=False, passage_len=cell["distance"],

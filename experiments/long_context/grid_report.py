@@ -158,27 +158,36 @@ def _diag_table(rows, diag) -> str:
     return markdown_table(head, body) + "\n" if body else "(no diagnostics yet)\n"
 
 
+def _schedule_text(name: str, o: dict) -> str:
+    """One schedule of a grid's settings, as measured (a grid before 2026-12-07 records its
+    `cli` cells' 100 warm-up steps: they are what ``warmup100`` names now)."""
+    if o["schedule"] == "cosine":
+        return (f"`{name}` = lr {o['lr']}, warmup {o['warmup_steps']}, cosine to {o['min_lr']} "
+                "over the budget")  # fmt: skip
+    return f"`{name}` = lr {o['lr']} after {o['warmup_steps']} warm-up steps"
+
+
 def settings_text(settings: dict) -> str:
     """The paragraph of model, budget, evaluations and schedules of a grid's settings (the
     ``grid.settings.json`` every table of one grid shares)."""
-    cli, const = settings["schedules"]["cli"], settings["schedules"]["constant"]
     m, stop = settings["model"], settings["stop_fraction"]
     screening = ""
     if settings.get("stop_at_target"):
         screening = (". Screening (`--stop-at-target`): candidates stop at their first "
                      "evaluation past 1.5× softmax's onset (`stopped: target`)")  # fmt: skip
+    schedules = "; ".join(_schedule_text(k, v) for k, v in settings["schedules"].items())
     return (
         f"Model: {m['n_layer']} layer(s) × {m['n_embd']}, {m['n_head']} heads, chunk "
         f"{m['chunk_size']}; random-letter passages of d bytes recurring d tokens later in "
         f"windows of 2d. Budget {settings['steps']} steps; evaluations at step 0 and every "
         f"{settings['probe_every']} steps on {settings['val_windows']} held-out windows per "
         f"seed (diagnostics every {settings['diagnose_every']} steps on "
-        f"{settings['diagnose_windows']}). Schedules: `cli` = `polysketch train`'s defaults "
-        f"(lr {cli['lr']}, warmup {cli['warmup_steps']}, cosine to {cli['min_lr']} over the "
-        f"budget); `constant` = lr {const['lr']} after {const['warmup_steps']} warm-up steps. "
-        f"Early stop at gain ≥ {stop} × ln 26 with recurrence loss ≤ {1 - stop:.2f} × ln 26 "
-        "(others: also past 1.5× softmax's onset)" + screening + ". CPU time: process time "
-        "of training, probing and diagnostics (one thread)."
+        f"{settings['diagnose_windows']}). Schedules: {schedules}. "
+        + (f"Early stop at gain ≥ {stop} × ln 26 with recurrence loss ≤ {1 - stop:.2f} × ln 26 "
+           "(others: also past 1.5× softmax's onset)" if stop < 1 else
+           "No early stop: every run trains to the budget")
+        + screening + ". CPU time: process time of training, probing and diagnostics (one "
+        "thread)."
     )
 
 
@@ -234,7 +243,7 @@ def plot_grid(cells, curve, path):
     fig, axes = subplots(1 + len(distances), ncols=min(3, 1 + len(distances)))
     ax = axes[0]
     budget = max((int(r["budget"]) for r in cells), default=1)
-    colors = {"cli": "tab:red", "constant": "tab:blue"}
+    colors = {"cli": "tab:red", "warmup100": "tab:orange", "constant": "tab:blue"}
     for s in rows:
         if s["ref_onset"] is None:
             continue

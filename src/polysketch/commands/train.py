@@ -47,7 +47,7 @@ from ..train import (
     train,
 )
 from ..train.loop import TrainingOutOfMemoryError, WarmupWarning, check_launch
-from ..train.schedule import learning_rate
+from ..train.schedule import default_warmup, learning_rate
 from ._common import ERROR_EXIT, check_device, fail, prepare_out_dir, warn
 from ._flags import add_config_flags, given, read_config
 
@@ -72,12 +72,6 @@ _TRAIN_OPTIONS = {
     "compile": {"nargs": "?", "const": "inductor", "metavar": "BACKEND"},
     "warmup_steps": {"help": "linear warmup steps (default: 10%% of --steps, at most 100)"},
 }
-
-
-def default_warmup(steps: int) -> int:
-    """``--warmup-steps`` when not given: 10% of the run, at most ``TrainConfig``'s 100 (so
-    runs of 1000 steps and more keep it; a 30-step run warms up for 3)."""
-    return min(TrainConfig.warmup_steps, steps // 10)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from .loop import (
     param_groups,
     train,
 )
-from .schedule import WarmupCosine, learning_rate, warmup_cosine
+from .schedule import WarmupCosine, default_warmup, learning_rate, warmup_cosine
 
 __all__ = [
     "TrainConfig",
@@ -52,6 +52,7 @@ __all__ = [
     "warmup_cosine",
     "WarmupCosine",
     "learning_rate",
+    "default_warmup",
     "DistContext",
     "rank_slice",
     "save_checkpoint",

@@ -19,8 +19,17 @@ import math
 import torch
 
 from .._checks import check_float, check_int
+from .config import TrainConfig
 
-__all__ = ["WarmupCosine", "warmup_cosine", "learning_rate"]
+__all__ = ["WarmupCosine", "warmup_cosine", "learning_rate", "default_warmup"]
+
+
+def default_warmup(steps: int) -> int:
+    """W when a run does not set it (``polysketch train``'s ``--warmup-steps`` default): 10% of
+    the run, at most ``TrainConfig``'s 100 (so runs of 1000 steps and more keep it; a 30-step
+    run warms up for 3). Experiments that say they train as the CLI does call this."""
+    steps = check_int(steps, "steps", minimum=0)
+    return min(TrainConfig.warmup_steps, steps // 10)
 
 
 def learning_rate(
