@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     kc, vc = (torch.randn(1, 2, args.position, 64, generator=g) for _ in range(2))
     cases = {"sdpa": lambda: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)}
     for attention in args.attentions:
-        core = PolysketchAttention(attention, head_dim=64, num_heads=4, layer_index=0,
-                                   scaling=0.125)  # fmt: skip
+        core = PolysketchAttention.from_name(attention, head_dim=64, num_heads=4,
+                                             scaling=0.125)  # fmt: skip
         state = core.new_state()
         prefill = [torch.randn(1, 4, 130, 64, generator=g) for _ in range(3)]
         with torch.no_grad():

@@ -83,18 +83,22 @@ def test_the_options_the_two_refusals_name_make_them_run(tmp_path, capsys):
         assert main(argv) == 0, capsys.readouterr().err
 
 
-def test_bench_model_takes_the_block_from_the_preset_unless_given(tmp_path, capsys):
+def test_bench_model_takes_the_block_from_the_spec_unless_given(tmp_path, capsys):
     import csv
 
     out = tmp_path / "o"
     argv = ["bench", "--model", "--quick", "--lengths", "128", "--no-progress",
             "--attentions", "psf_random,soft_hash_far_local", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "chunk (psf_random 256, soft_hash_far_local 64)" in printed
+    capsys.readouterr()
     with (out / "model_results.csv").open() as fh:
         chunks = {r["attention"]: r["chunk_size"] for r in csv.DictReader(fh)}
-    assert chunks == {"psf_random": "256", "soft_hash_far_local": "64"}
+    # what a TransformerLM of each runs: the one default, and the preset's own block
+    assert chunks == {"psf_random": "64", "soft_hash_far_local": "64"}
+    assert main([*argv[:-4], "--attentions", "psf_random:chunk_size=32,soft_hash_far_local",
+                 "--out", str(out), "--overwrite"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "chunk (psf_random:chunk_size=32 32, soft_hash_far_local 64)" in printed
     # an explicit block longer than the preset's window is the user's word: refused, named
     assert main([*argv, "--chunk-size", "256", "--overwrite"]) == 2
     assert "chunk_size=256" in capsys.readouterr().err

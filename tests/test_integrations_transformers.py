@@ -470,7 +470,7 @@ def test_cli_linearize_end_to_end(tmp_path, capsys):
     assert abs(res["loss_reloaded"] - res["loss_finetune"]) < 1e-5
     assert (out / "results.csv").exists() and (out / "linearize.png").stat().st_size > 0
     settings = load_converted(out / "model").config.polysketch
-    assert settings["attention"] == "psf_learned" and settings["mixed"] is True
+    assert settings["attention"] == "psf_learned" and settings["options"]["mixed"] is True
 
 
 def test_cli_linearize_no_progress_reaches_the_config(tmp_path, capsys, monkeypatch):

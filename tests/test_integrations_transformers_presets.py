@@ -66,9 +66,10 @@ def test_every_model_preset_converts(family, name):
     model = convert(tiny(family), name)
     settings = polysketch_settings(model)
     assert settings["attention"] == name
-    assert settings["local_window"] == preset.hybrid.window
-    assert settings["chunk_size"] == (preset.chunk_size or 64)
-    assert settings["gradient_surrogate"] == preset.gradient_surrogate
+    for layer in settings["layers"]:  # each layer's LayerSpec, stored
+        assert layer["window_attention"]["window"] == preset.hybrid.window
+        assert layer["attention"]["chunk_size"] == (preset.chunk_size or 64)
+        assert layer["attention"]["gradient_surrogate"] == preset.gradient_surrogate
     # the global attention is the one a TransformerLM of the preset runs (its spec, but the
     # softmax scale: the model's own)
     lm = TransformerConfig(attention=name, n_embd=64, n_head=H).resolve().attention
@@ -232,7 +233,8 @@ def test_save_load_keeps_logits(tmp_path, family):
     model.save_pretrained(tmp_path / "m")
     loaded = load_converted(tmp_path / "m").eval()
     assert polysketch_settings(loaded) == polysketch_settings(model)
-    assert polysketch_settings(loaded)["global_heads"] == 3
+    assert polysketch_settings(loaded)["options"]["global_heads"] == 3
+    assert all(layer["global_heads"] == 3 for layer in polysketch_settings(loaded)["layers"])
     assert torch.equal(logits(loaded, x), ref)
 
 
@@ -304,7 +306,7 @@ def test_cli_linearize_takes_a_model_preset(tmp_path, monkeypatch):
 # ----- refusals ------------------------------------------------------------------------------
 def test_refusals_name_the_cause():
     model = tiny("llama")
-    with pytest.raises(ValueError, match=r"local_window=64\), or the model preset"):
+    with pytest.raises(ValueError, match=r"local_window >= 64, or a model preset"):
         convert(model, "soft_hash_far")  # reads none of its own block: needs a window
     with pytest.raises(ValueError, match="local_window=32"):
         convert(model, "soft_hash_far", local_window=32)  # < the block of 64

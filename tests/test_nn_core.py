@@ -53,9 +53,14 @@ def _layer(attention, **kw):
 def _adapter(layer, attention, kw):
     """The transformers adapter's core with the layer's core tensors."""
     from polysketch.integrations.transformers import PolysketchAttention
+    from polysketch.nn import LayerSpec, resolve_attention
+    from polysketch.nn.resolve import split_options
 
-    core = PolysketchAttention(attention, head_dim=D, num_heads=H, layer_index=0,
-                               scaling=D**-0.5, chunk_size=4, **kw).double()  # fmt: skip
+    opts, _, maps = split_options(kw)  # the core alone: no window beside soft_hash_far here
+    opts = {**opts, "chunk_size": 4, "softmax_scale": D**-0.5}
+    spec = resolve_attention(attention, D, maps, opts)
+    core = PolysketchAttention(LayerSpec(spec), head_dim=D, num_heads=H,
+                               layer_index=0).double()  # fmt: skip
     result = core.load_state_dict(layer.state_dict(), strict=False)
     assert not result.missing_keys  # every core tensor came from the layer
     return core

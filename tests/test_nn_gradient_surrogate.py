@@ -14,9 +14,10 @@ MAP = {"num_features": 12}
 
 
 def _cores(lam):
-    shape = dict(qk_dim=8, num_heads=2, value_dim=5, chunk_size=4)
-    plain = AttentionCore(resolve_attention("soft_hash_far", 8, MAP), **shape).double()
-    spec = resolve_attention("soft_hash_far", 8, MAP, gradient_surrogate=lam)
+    shape = dict(qk_dim=8, num_heads=2, value_dim=5)
+    plain = AttentionCore(resolve_attention("soft_hash_far", 8, MAP, chunk_size=4),
+                          **shape).double()  # fmt: skip
+    spec = resolve_attention("soft_hash_far", 8, MAP, gradient_surrogate=lam, chunk_size=4)
     with_surrogate = AttentionCore(spec, **shape).double()
     with_surrogate.load_state_dict(plain.state_dict())
     return plain, with_surrogate

@@ -38,18 +38,17 @@ def test_preset_names():
 
 @pytest.mark.parametrize("name", list(KEY_WORDS))
 def test_each_preset_builds_and_describes_itself(name):
-    desc = PRESETS[name]["description"]
+    row = PRESETS[name]
     for word in KEY_WORDS[name]:
-        assert word in desc, (name, word)
-    settings = PRESETS[name]["settings"]
+        assert word in row.description, (name, word)
     layer = KernelAttention(16, 2, attention=name, chunk_size=4, **NEEDS.get(name, {}))
-    assert layer.form == settings["form"]
-    assert (layer.q_norm is not None) == settings["qk_norm"]
-    assert layer.denominator_offset == settings["denominator_offset"]
-    if "feature_map" in settings:
-        assert layer.feature_map.name == settings["feature_map"]
+    assert layer.form == row.form
+    assert (layer.q_norm is not None) == row.qk_norm
+    assert layer.denominator_offset == row.denominator_offset
+    if row.feature_map is not None:
+        assert layer.feature_map.name == row.feature_map
         head = layer.feature_map.head_map(0)
-        for key, value in settings["map_kwargs"].items():
+        for key, value in row.map_kwargs.items():
             got = getattr(head, key)  # a learned temperature is exp(log τ): to rounding
             assert got == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value)
         assert head.square == name.startswith("psf_")  # the sketches are self-tensored
@@ -145,7 +144,8 @@ def test_a_far_only_attention_without_a_wide_enough_window_is_refused_with_the_f
     ):
         build(attention="soft_hash_far_local_balanced", chunk_size=256)
     with pytest.raises(
-        ValueError, match=r"local_window=None \(a model preset .*soft_hash_far_local_balanced"
+        ValueError,
+        match=r"local_window=None \(local_window >= 16, or a model preset .*_local_balanced",
     ):
         build(attention="soft_hash_far", chunk_size=16)
     build(attention="soft_hash_far_local_balanced", chunk_size=64)  # the preset's own block

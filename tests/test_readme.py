@@ -111,7 +111,7 @@ def test_feature_map_table_lists_every_registered_map():
 def test_preset_table_matches_the_code():
     rows = _table_after("<!-- preset-table: checked by tests/test_readme.py -->", MODELS)
     assert {row[0].strip("`"): row[1] for row in rows} == {
-        name: preset["description"] for name, preset in PRESETS.items()
+        name: preset.description for name, preset in PRESETS.items()
     }
 
 

@@ -176,8 +176,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, skipping the call when x already has ``dtype`` (``.to`` then returns x
-    itself anyway, but its dispatch costs about 2 µs on a CPU, which one decoding step of a
-    small model feels)."""
+    itself anyway, but its dispatch costs time a decoding step of a small model feels:
+    ``docs/results/implementation_choices.md``)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

@@ -10,11 +10,10 @@ Two ways to apply it, both vectorized:
 * ``hadamard_columns(n, cols)``: the n×r matrix H_n[:, cols] built from the bit formula, so a
   subsampled transform x H P (P selects r columns) is one (n × r) matmul.
 
-Measured on CPU (1 thread, 2048 rows, 2 stacked sketches): the column matmul beats
-``fwht`` + gather for every n ∈ {32, …, 256} and r ∈ {32, 64, 256} (e.g. n=64, r=32:
-0.44 ms vs 1.97 ms; n=256, r=32: 1.4 ms vs 19.8 ms), because r ≤ n columns are needed and
-matmuls are what accelerators are built for. The sketches therefore use
-``hadamard_columns``; ``fwht`` is kept as the independent reference they are tested against.
+The sketches use ``hadamard_columns``: r ≤ n columns are needed, one matmul computes them, and
+matmuls are what accelerators are built for (it also beats ``fwht`` + gather on a CPU:
+``docs/results/implementation_choices.md``); ``fwht`` is kept as the independent reference
+they are tested against.
 """
 
 from __future__ import annotations

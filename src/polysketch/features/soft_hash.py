@@ -46,17 +46,14 @@ holds while W trains), and the logits τ · x·w_f / √D = τ ‖x‖ cos(x, w_
 directions only. Gaussian columns have norms √D ± 9 %; a bucket with a longer column wins
 more inputs, so the buckets are unevenly filled and unrelated keys collide more often than
 1/F. Equal norms make the buckets equally likely on isotropic inputs, which is what the
-exact-match weight s* / Σ_j s_j of a key among t others depends on:
-``docs/results/long_context/retrieval_unit/`` measures 0.190 / 0.077 / 0.027 of the weight at
-t = 4k (query = key / cosine 0.9 / 0.7, F = 1024, τ = 24, LayerNorm'd Gaussians) against
-0.152 / 0.067 / 0.025 with the raw Gaussian columns.
+exact-match weight s* / Σ_j s_j of a key among t others depends on (measured:
+``docs/results/implementation_choices.md``).
 
 **Temperature rate** (``temperature_rate = r``, default 1): τ = exp(r·θ), with θ the stored
 parameter ``log_temperature`` (= log τ / r). Adam moves a parameter by about its learning
-rate per step whatever the gradient's size, so with r = 1 log τ moves by ≤ lr per step: in
-the 400-step copy runs τ stayed within 7.7–9.3 of its start 8. With r = 10 the model can
-sharpen its buckets once they are useful (a copy run's retrieving layer went from τ = 8 to
-19.6) while starting soft enough to learn (a sharp start, τ = 16–24, learned no copy).
+rate per step whatever the gradient's size, so with r = 1 log τ moves by ≤ lr per step. With
+r > 1 the model can sharpen its buckets once they are useful while starting soft enough to
+learn (what τ did in the copy runs: ``docs/results/implementation_choices.md``).
 
 **A linear term** (``linear_weight = α > 0``): D + 1 more features, the same for queries and
 keys, √(α/2) · (1, x/‖x‖), appended to the buckets', so that the score becomes
@@ -99,8 +96,8 @@ largest (log F) when every token is sure of its bucket and the buckets are used 
 both when all tokens share one distribution (the collapse onto one bucket that
 ``docs/results/long_context/mqar_screen256/`` diagnoses in the heads that fail to retrieve)
 and when every distribution is uniform, so that the loss cannot be met by softening τ (it
-rewards sharpening instead: at β = 0.01 τ rose to 31–57 on MQAR and recall fell, measured in
-``docs/results/long_context/README.md`` section 5; no preset uses it). Queries
+rewards sharpening instead; what that did on MQAR: ``docs/results/implementation_choices.md``;
+no preset uses it). Queries
 and keys each add their L_bal (per head and per sequence, averaged over the batch); it changes
 no output: ``polysketch._auxiliary.add_auxiliary_loss`` back-propagates it beside the features
 whenever autograd records them (so under ``torch.no_grad`` it costs nothing). It is computed

@@ -7,7 +7,8 @@
 - ``TransformerConfig`` / ``TransformerLM``: a small decoder-only LM with decoding caches
   (``local_window``: an exact sliding-window branch beside each layer's attention).
 - ``PRESETS`` / ``MODEL_PRESETS``: the preset tables; ``AttentionSpec`` / ``HybridSpec`` /
-  ``ModelSpec``: what a name resolves to, once (``resolve_attention``, ``resolve_model``).
+  ``ModelSpec`` / ``LayerSpec``: what a name resolves to, once (``resolve_attention``,
+  ``resolve_model``, ``resolve_converted``); ``ATTENTION_OPTIONS``: the options a name takes.
 - ``MultiHeadFeatureMap``: independent per-head feature maps applied with ``torch.vmap``.
 """
 
@@ -17,12 +18,29 @@ from .cache import KVCache, MixedCache, ParallelCache, RecurrentCache, WindowCac
 from .core import AttentionCore
 from .heads import MultiHeadFeatureMap, head_seed
 from .presets import MODEL_PRESETS, PRESETS
-from .resolve import resolve_attention, resolve_model, valid_attentions, valid_model_attentions
+from .resolve import (
+    resolve_attention,
+    resolve_converted,
+    resolve_model,
+    valid_attentions,
+    valid_model_attentions,
+)
 from .rope import RotaryEmbedding
-from .spec import AttentionSpec, HybridSpec, ModelSpec
+from .spec import (
+    ATTENTION_OPTIONS,
+    DEFAULT_CHUNK_SIZE,
+    AttentionSpec,
+    HybridSpec,
+    LayerSpec,
+    ModelSpec,
+)
 from .transformer import TransformerConfig, TransformerLM
 
 __all__ = [
+    "ATTENTION_OPTIONS",
+    "DEFAULT_CHUNK_SIZE",
+    "LayerSpec",
+    "resolve_converted",
     "AttentionCore",
     "KernelAttention",
     "TransformerConfig",

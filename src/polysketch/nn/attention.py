@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_float, check_int, check_positive_int, check_tensor, compute_dtype
+from .._checks import check_int, check_positive_int, check_tensor, compute_dtype
 from .core import AttentionCore, working_dtype
 from .padding import real_positions
-from .resolve import as_spec
+from .resolve import as_spec, split_options
 from .rope import RotaryEmbedding
 from .sharding import SequenceShard, check_core_on_shard, shard_short_conv
 from .short_conv import ShortConv
@@ -58,15 +58,10 @@ class KernelAttention(AttentionCore):
         attention: a preset (``psf_random``, ``psf_learned``, ``psf_mixed``, ``polynomial``,
             ``softmax``, ``sliding_window``) or any ``polysketch.features.available()`` name
             (default ``"polysketch"``, i.e. the psf_random sketch), resolved here with the
-            options below (``polysketch.nn.resolve.resolve_attention``); or an
-            ``AttentionSpec`` resolved already (the options below then stay unset).
+            options (``polysketch.nn.resolve.resolve_attention``); or an ``AttentionSpec``
+            resolved already (no option may then be given beside it).
         causal: causal mask (decoder). Mixed attention, the window and decoding need it.
         rope: rotary position embeddings on q and k.
-        qk_norm: LayerNorm (with affine) on q and k per head. ``None``: on for polynomial maps
-            and presets except softmax, off otherwise.
-        chunk_size: block b of the block lower-triangular algorithm / the mixed local blocks.
-        denominator_offset: added to the normalizer. ``None``: 1.0 for polynomial maps and
-            presets (PolySketchFormer's 1 + Σ), 0 otherwise.
         bias: biases in the q/k/v and output projections.
         seed: base seed of the per-head feature maps; head h of layer ``layer_index`` uses
             ``polysketch.nn.heads.head_seed(seed, layer_index, h)``.
@@ -74,17 +69,21 @@ class KernelAttention(AttentionCore):
         checkpoint: recompute features and attention in the backward pass (PolySketchFormer
             §4 rematerialization): ``None`` (default) for the linear, mixed and window forms,
             True / False to force it (``AttentionCore``).
-        mixed: mixed attention with the map ``attention`` (exact local (q·k)^degree blocks +
-            the map before them; ``psf_mixed`` is this with the psf_random sketch).
-        learn_balance: mixed attention's learned per-head balance β_h (``AttentionCore``).
-        gradient_surrogate: λ of the training-only linear-kernel gradient of attention
-            without in-block scores (``AttentionCore``; exactly 0 in value).
-        window: w of ``attention="sliding_window"``.
         projections: own the q/k/v and output projections (and the short convolution).
             ``False``: a branch that attends with another layer's projections
             (``attend_projected``; ``TransformerConfig.local_shared``); ``forward`` then
             raises.
-        **map_kwargs: keywords of the feature map (override the preset / defaults).
+        **options: the attention options (``polysketch.nn.ATTENTION_OPTIONS``, the option
+            fields of ``AttentionSpec``; None = the attention's default): ``qk_norm``
+            (LayerNorm with affine on q and k per head; on for polynomial maps and presets
+            except softmax), ``chunk_size`` (block b of the block algorithm and of the mixed
+            blocks, default 64), ``denominator_offset`` (1 for polynomial maps and presets:
+            PolySketchFormer's 1 + Σ), ``mixed`` (exact local (q·k)^degree blocks and the map
+            before them; ``psf_mixed`` is this with the psf_random sketch), ``learn_balance``
+            (mixed: a learned per-head balance β_h), ``gradient_surrogate`` (λ of the
+            training-only gradient of attention without in-block scores), ``window`` (w of
+            ``sliding_window``), ``softmax_scale``; every other keyword goes to the feature
+            map (overriding the preset's).
 
     ``hybrid_clustered`` needs its clusters first: ``layer.feature_map.fit_(q, k)`` with
     sample per-head queries/keys (B, H, T, D); until then its forward raises RuntimeError.
@@ -98,9 +97,6 @@ class KernelAttention(AttentionCore):
         attention: str | AttentionSpec = "polysketch",
         causal: bool = True,
         rope: bool = True,
-        qk_norm: bool | None = None,
-        chunk_size: int = 64,
-        denominator_offset: float | None = None,
         bias: bool = False,
         seed: int = 0,
         layer_index: int = 0,
@@ -108,12 +104,8 @@ class KernelAttention(AttentionCore):
         qk_dim: int | None = None,
         value_dim: int | None = None,
         short_conv: int = 0,
-        mixed: bool = False,
-        learn_balance: bool = False,
-        gradient_surrogate: float = 0.0,
-        window: int | None = None,
         projections: bool = True,
-        **map_kwargs,
+        **options,
     ):
         embed_dim = check_positive_int(embed_dim, "embed_dim")
         num_heads = check_positive_int(num_heads, "num_heads")
@@ -128,16 +120,12 @@ class KernelAttention(AttentionCore):
         for name, value in (("rope", rope), ("bias", bias), ("projections", projections)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
-        if denominator_offset is not None:
-            denominator_offset = check_float(denominator_offset, "denominator_offset")
-        spec = as_spec(
-            attention, qk_dim, map_kwargs, qk_norm=qk_norm, denominator_offset=denominator_offset,
-            mixed=mixed, window=window, learn_balance=learn_balance,
-            gradient_surrogate=gradient_surrogate,
-        )  # fmt: skip
+        opts, _, map_kwargs = split_options(options)
+        opts = {k: v for k, v in opts.items() if v is not None}  # None: not given
+        spec = as_spec(attention, qk_dim, map_kwargs, opts)
         super().__init__(
             spec, qk_dim=qk_dim, num_heads=num_heads, value_dim=value_dim, causal=causal,
-            chunk_size=chunk_size, seed=seed, layer_index=layer_index, checkpoint=checkpoint,
+            seed=seed, layer_index=layer_index, checkpoint=checkpoint,
         )  # fmt: skip
         self.embed_dim, self.head_dim, self.short_conv = embed_dim, head_dim, short_conv
         e, h = self.embed_dim, self.num_heads

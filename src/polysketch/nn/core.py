@@ -82,7 +82,6 @@ class AttentionCore(nn.Module):
         qk_dim: D, the size of queries and keys (the maps' input). num_heads: H.
         value_dim: E (default D); only ``decode_state_size`` needs it.
         causal: causal mask. Mixed, window and decoding need it.
-        chunk_size: block b of the block algorithm and of mixed attention's local blocks.
         seed, layer_index: head h's map is seeded with ``head_seed(seed, layer_index, h)``.
         checkpoint: recompute the features and the attention in the backward pass instead of
             keeping them for it (``torch.utils.checkpoint``; PolySketchFormer §4
@@ -114,7 +113,6 @@ class AttentionCore(nn.Module):
         num_heads: int,
         value_dim: int | None = None,
         causal: bool = True,
-        chunk_size: int = 64,
         seed: int = 0,
         layer_index: int = 0,
         checkpoint: bool | None = None,
@@ -128,7 +126,6 @@ class AttentionCore(nn.Module):
         self.value_dim = check_positive_int(value_dim, "value_dim")
         self.causal = _check_bool(causal, "causal")
         self.checkpoint = None if checkpoint is None else _check_bool(checkpoint, "checkpoint")
-        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.seed = check_int(seed, "seed", minimum=0)
         self.layer_index = check_int(layer_index, "layer_index", minimum=0)
         if spec.needs_causal and not self.causal:
@@ -166,6 +163,11 @@ class AttentionCore(nn.Module):
     @property
     def degree(self) -> int:
         return self.spec.degree
+
+    @property
+    def chunk_size(self) -> int:
+        """``spec.chunk_size``: block b of the block algorithm and of the mixed blocks."""
+        return self.spec.chunk_size
 
     @property
     def denominator_offset(self) -> float:

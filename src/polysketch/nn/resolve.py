@@ -1,11 +1,15 @@
 """Names in, specs out: the one place an attention name is resolved.
 
-* ``resolve_attention(attention, head_dim, map_kwargs, ...)`` -> ``AttentionSpec``: a preset
-  (``PRESETS``) or a feature-map name, with the user's overrides (``mixed=True`` turns any map
-  into mixed attention, PolySketchFormer's psf_mixed form; ``window=`` for
-  ``sliding_window``).
+* ``resolve_attention(attention, head_dim, map_kwargs, options)`` -> ``AttentionSpec``: a
+  preset (``PRESETS``) or a feature-map name (``MAP_ROWS``), with the user's attention options
+  (``ATTENTION_OPTIONS``: the option fields of ``AttentionSpec`` and ``mixed=True``, which
+  turns any map into mixed attention, PolySketchFormer's psf_mixed form), one mapping checked
+  against those fields.
 * ``resolve_model(config)`` -> ``ModelSpec``: a ``TransformerConfig``'s attention, a model
   preset (``MODEL_PRESETS``) expanded, its window branch and per-head sizes.
+* ``resolve_converted(attention, ...)`` -> ``LayerSpec``: what one converted layer of a Hugging
+  Face model computes, from the same names, presets and options, with the differences a
+  layer that keeps the model's own projections has (``CONVERTED_DIFFERENCES``).
 * ``parse_attention("NAME:key=value,...")`` and friends: the text form the commands and
   benchmarks read (``taylor:qk_dim=16``, ``soft_hash_1k:num_features=320,local_window=64``).
 
@@ -16,30 +20,49 @@ reads the specs; nothing else reads the preset tables.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from .._checks import parse_key_values
-from ..features import available, get_class
-from .presets import MODEL_PRESETS, POLYNOMIAL_MAPS, PRESETS, SOFTMAX_TARGET_MAPS, ModelPreset
-from .spec import WINDOW_KERNELS, AttentionSpec, HybridSpec, ModelSpec
+from .._checks import check_positive_int, parse_key_values
+from ..features import get_class
+from .presets import MAP_ROWS, MODEL_PRESETS, PRESETS, AttentionPreset, ModelPreset
+from .spec import (
+    ATTENTION_OPTIONS,
+    OPTION_FIELDS,
+    WINDOW_KERNELS,
+    AttentionSpec,
+    HybridSpec,
+    LayerSpec,
+    ModelSpec,
+)
 
 __all__ = [
+    "CONVERTED_DIFFERENCES",
+    "HYBRID_OPTIONS",
     "MODEL_KEYS",
     "as_spec",
+    "check_options",
     "config_options",
     "model_preset",
     "parse_attention",
     "preset_chunk_size",
     "resolve_attention",
+    "resolve_converted",
     "resolve_model",
     "split_attentions",
+    "split_options",
     "valid_attentions",
     "valid_model_attentions",
 ]
 
+HYBRID_OPTIONS = ("local_window", "local_shared", "global_heads", "global_every", "global_rope",
+                  "global_out_init", "global_out_tied")  # fmt: skip
+"""The options of the window branch beside an attention (``HybridSpec``; ``TransformerConfig``
+fields; ``convert`` takes them too, by ``CONVERTED_DIFFERENCES``)."""
+
 
 def valid_attentions() -> list[str]:
     """Every accepted ``attention=`` of one layer: presets, then feature-map names."""
-    return list(PRESETS) + [n for n in available() if n not in PRESETS]
+    return list(PRESETS) + list(MAP_ROWS)
 
 
 def valid_model_attentions() -> list[str]:
@@ -48,92 +71,46 @@ def valid_model_attentions() -> list[str]:
     return valid_attentions() + list(MODEL_PRESETS)
 
 
-def resolve_attention(
-    attention: str,
-    head_dim: int,
-    map_kwargs: dict | None = None,
-    *,
-    qk_norm: bool | None = None,
-    denominator_offset: float | None = None,
-    mixed: bool = False,
-    window: int | None = None,
-    learn_balance: bool = False,
-    gradient_surrogate: float = 0.0,
-    softmax_scale: float | None = None,
-) -> AttentionSpec:
-    """Turn ``attention`` (+ user overrides) into an ``AttentionSpec``.
+def check_options(options: Mapping | None, allowed=None, what="attention") -> dict:
+    """``options`` as a dict, every key one of ``allowed`` (default ``ATTENTION_OPTIONS``;
+    ValueError naming the unknown keys and the known ones)."""
+    allowed = ATTENTION_OPTIONS if allowed is None else allowed
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{what} options must be a mapping, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {what} options {unknown}: the options are {list(allowed)} "
+                         "(polysketch.nn.ATTENTION_OPTIONS; feature-map keywords go to "
+                         "map_kwargs)")  # fmt: skip
+    return dict(options)
 
-    ``map_kwargs`` override the preset's / defaults' map keywords; for ``"polynomial"`` only
-    ``degree`` is accepted, for ``"softmax"`` nothing, for ``"sliding_window"`` ``kernel``
-    (``"softmax"`` or ``"polynomial"``) and, with the polynomial kernel, ``degree``;
-    ``psf_mixed`` also takes ``degree`` (the local exact degree; 4 by default). ``qk_norm`` /
-    ``denominator_offset`` of ``None`` take the default of the preset or map kind.
-    ``mixed=True`` turns a feature-map attention into mixed attention (``polysketch.nn.spec``);
-    its local degree is ``degree=`` when the map takes no degree (hedgehog), else the map's.
-    ``window``: the window of ``"sliding_window"`` (required there, refused elsewhere).
-    ``softmax_scale``: the scale of softmax scores, and the ``scale`` given to maps whose
-    target is exp(scale·q·k) unless ``map_kwargs`` set it (default 1/√D; the transformers
-    integration passes the model's own). ``learn_balance`` / ``gradient_surrogate``: options
-    of mixed attention (``AttentionSpec``).
-    """
+
+def split_options(keywords: Mapping, hybrid: bool = False) -> tuple[dict, dict, dict]:
+    """One keyword mapping (``KernelAttention(**kw)``, ``convert(model, name, **kw)``) ->
+    (attention options, window-branch options, feature-map keywords): a key is an attention
+    option when it is in ``ATTENTION_OPTIONS``, a window-branch option when ``hybrid`` and in
+    ``HYBRID_OPTIONS``, else a keyword of the feature map."""
+    options, branch, maps = {}, {}, {}
+    for key, value in keywords.items():
+        if key in ATTENTION_OPTIONS:
+            options[key] = value
+        elif hybrid and key in HYBRID_OPTIONS:
+            branch[key] = value
+        else:
+            maps[key] = value
+    return options, branch, maps
+
+
+def _row(attention) -> AttentionPreset:
+    """The table row of an attention name (ValueError for a model preset or an unknown name)."""
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a string, got {type(attention).__name__}")
-    if not isinstance(mixed, bool):
-        raise TypeError(f"mixed must be a bool, got {type(mixed).__name__}")
-    if not isinstance(learn_balance, bool):
-        raise TypeError(f"learn_balance must be a bool, got {type(learn_balance).__name__}")
-    if qk_norm is not None and not isinstance(qk_norm, bool):
-        raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
-    kwargs = dict(map_kwargs or {})
-    if window is not None and attention != "sliding_window":
-        raise ValueError(f'window= is an option of attention="sliding_window", not {attention!r}')
-    if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)
-        qk_norm = True if qk_norm is None else qk_norm
-        denominator_offset = 1.0 if denominator_offset is None else denominator_offset
-    local_degree = None
-    if (
-        mixed
-        and "degree" in kwargs
-        and attention in available()
-        and not get_class(attention).takes("degree")
-    ):
-        local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
-    extra: dict = {}
-    if attention in PRESETS:
-        s = PRESETS[attention]["settings"]
-        form, fmap = s["form"], s.get("feature_map")
-        degree = 4
-        norm_default, offset_default = s["qk_norm"], s["denominator_offset"]
-        if form == "window":
-            form, extra, norm_default, offset_default, degree = _window_settings(kwargs, window)
-        elif s.get("local") == "none":
-            if "degree" in kwargs:
-                raise ValueError(
-                    f"attention={attention!r} has no in-block scores, so no degree: drop "
-                    "degree from map_kwargs"
-                )
-            extra["local"] = "none"
-        elif form in ("polynomial", "mixed"):
-            degree = kwargs.pop("degree", s["degree"])
-        if form in ("polynomial", "softmax") and kwargs:
-            raise ValueError(
-                f"map_kwargs {sorted(kwargs)} are not accepted by attention={attention!r} "
-                "(polynomial takes only degree; softmax takes none)"
-            )
-        merged = {**s.get("map_kwargs", {}), **kwargs} if fmap else {}
-        if attention == "psf_mixed" and "output_scale" not in kwargs:
-            merged["output_scale"] = float(merged["num_features"]) ** -0.5  # public code
-    elif attention in available():
-        form, fmap, degree = "linear", attention, 4
-        defaults: dict = {}
-        if attention == "polysketch":
-            defaults["nonnegative"] = True
-        if attention in SOFTMAX_TARGET_MAPS:
-            defaults["scale"] = 1.0 / math.sqrt(head_dim)
-        merged = {**defaults, **kwargs}
-        polynomial = attention in POLYNOMIAL_MAPS
-        norm_default, offset_default = polynomial, 1.0 if polynomial else 0.0
-    elif attention in MODEL_PRESETS:
+    row = PRESETS.get(attention) or MAP_ROWS.get(attention)
+    if row is not None:
+        return row
+    if attention in MODEL_PRESETS:
         m = MODEL_PRESETS[attention]
         options = "".join(f", {k}={v!r}" for k, v in m.map_kwargs.items())
         heads = f", global_heads={m.hybrid.heads}" if m.hybrid.heads is not None else ""
@@ -143,10 +120,77 @@ def resolve_attention(
             f"TransformerConfig(attention={attention!r}); a single attention layer has no "
             f"window branch, use attention={m.attention!r}{options} there"
         )
-    else:
-        raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
-    if fmap in SOFTMAX_TARGET_MAPS and softmax_scale is not None and "scale" not in kwargs:
-        merged["scale"] = float(softmax_scale)
+    raise ValueError(f"attention must be one of {valid_attentions()}, got {attention!r}")
+
+
+def resolve_attention(
+    attention: str,
+    head_dim: int,
+    map_kwargs: Mapping | None = None,
+    options: Mapping | None = None,
+    **more_options,
+) -> AttentionSpec:
+    """Turn ``attention`` (a preset or a feature-map name) and the user's overrides into an
+    ``AttentionSpec``.
+
+    ``map_kwargs`` override the row's map keywords; for ``"polynomial"`` only ``degree`` is
+    accepted, for ``"softmax"`` nothing, for ``"sliding_window"`` ``kernel`` (``"softmax"`` or
+    ``"polynomial"``) and, with the polynomial kernel, ``degree``; the mixed forms take
+    ``degree`` (the local exact degree; 4 by default). ``options`` (and ``more_options``, the
+    same mapping as keywords) are attention options, each a key of ``ATTENTION_OPTIONS``
+    (``polysketch.nn.spec``; an unknown key is refused naming them); None means not given (the
+    row's default). ``mixed=True`` turns a feature-map attention into mixed attention; its
+    local degree is ``degree=`` when the map takes no degree (hedgehog), else the map's.
+    ``window``: the window of ``"sliding_window"`` (required there, refused elsewhere).
+    ``softmax_scale``: the scale of softmax scores, and the ``scale`` of maps whose target is
+    exp(scale·q·k) unless ``map_kwargs`` set it (default 1/√D; the transformers integration
+    passes the model's own). ``chunk_size``: the block (default ``DEFAULT_CHUNK_SIZE``).
+    """
+    row = _row(attention)
+    opts = check_options({**(options or {}), **more_options})
+    mixed = opts.get("mixed") or False
+    qk_norm, offset = opts.get("qk_norm"), opts.get("denominator_offset")
+    window, softmax_scale = opts.get("window"), opts.get("softmax_scale")
+    for name in ("mixed", "learn_balance"):
+        if opts.get(name) is not None and not isinstance(opts[name], bool):
+            raise TypeError(f"{name} must be a bool, got {type(opts[name]).__name__}")
+    if qk_norm is not None and not isinstance(qk_norm, bool):
+        raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
+    kwargs = dict(map_kwargs or {})
+    if window is not None and row.form != "window":
+        raise ValueError(f'window= is an option of attention="sliding_window", not {attention!r}')
+    if mixed:  # psf_mixed's form: its local polynomial needs normalized q, k (and 1 + Σ)
+        qk_norm = True if qk_norm is None else qk_norm
+        offset = 1.0 if offset is None else offset
+    local_degree = None
+    if mixed and "degree" in kwargs and row.feature_map is not None and row.form == "linear" \
+            and not get_class(row.feature_map).takes("degree"):  # fmt: skip
+        local_degree = kwargs.pop("degree")  # only the exact local blocks have a degree
+    form, fmap, degree, extra = row.form, row.feature_map, row.degree, {}
+    norm_default, offset_default = row.qk_norm, row.denominator_offset
+    if form == "window":
+        form, extra, norm_default, offset_default, degree = _window_settings(kwargs, window)
+    elif row.local == "none":
+        if "degree" in kwargs:
+            raise ValueError(
+                f"attention={attention!r} has no in-block scores, so no degree: drop "
+                "degree from map_kwargs"
+            )
+        extra["local"] = "none"
+    elif form in ("polynomial", "mixed"):
+        degree = kwargs.pop("degree", row.degree)
+    if form in ("polynomial", "softmax") and kwargs:
+        raise ValueError(
+            f"map_kwargs {sorted(kwargs)} are not accepted by attention={attention!r} "
+            "(polynomial takes only degree; softmax takes none)"
+        )
+    merged = {**row.map_kwargs, **kwargs} if fmap else {}
+    if row.output_scale_per_feature and "output_scale" not in kwargs:
+        merged["output_scale"] = float(merged["num_features"]) ** -0.5  # public code
+    if row.softmax_target and "scale" not in kwargs:
+        merged["scale"] = (
+            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
     if mixed and form != "mixed":
         if form != "linear":
             raise ValueError(
@@ -154,38 +198,36 @@ def resolve_attention(
             )
         form = "mixed"
         degree = local_degree if local_degree is not None else merged.get("degree", 4)
+    # every other option field is the spec's as given (None: its default): adding such an
+    # option needs no line here (polysketch.nn.spec, "Options")
+    passed = {k: v for k, v in opts.items()
+              if k in OPTION_FIELDS and k not in _DEFAULTED and v is not None}  # fmt: skip
     return AttentionSpec(
         name=attention,
         form=form,
         feature_map=fmap,
         map_kwargs=merged,
         qk_norm=norm_default if qk_norm is None else qk_norm,
-        denominator_offset=offset_default if denominator_offset is None else denominator_offset,
+        denominator_offset=offset_default if offset is None else offset,
         degree=degree,
-        learn_balance=learn_balance,
-        gradient_surrogate=gradient_surrogate,
-        softmax_scale=softmax_scale,
         **extra,
+        **passed,
     )
 
 
-def as_spec(attention, head_dim: int, map_kwargs: dict | None = None, **options) -> AttentionSpec:
+_DEFAULTED = ("qk_norm", "denominator_offset", "window")
+"""The option fields whose default depends on the row (or on ``mixed``): set above."""
+
+
+def as_spec(attention, head_dim: int, map_kwargs: Mapping | None = None,
+            options: Mapping | None = None) -> AttentionSpec:  # fmt: skip
     """``attention`` as an ``AttentionSpec``: resolved by ``resolve_attention`` with
-    ``map_kwargs`` and ``options`` when it is a name, returned as it is when it is a spec
-    already (then no option may be given beside it: they are part of the spec)."""
+    ``map_kwargs`` and ``options`` (only those the caller gave) when it is a name, returned as
+    it is when it is a spec already (then nothing may be given beside it: it is all in the
+    spec)."""
     if not isinstance(attention, AttentionSpec):
-        return resolve_attention(attention, head_dim, map_kwargs, **options)
-    defaults = {
-        "qk_norm": None,
-        "denominator_offset": None,
-        "mixed": False,
-        "window": None,
-        "learn_balance": False,
-        "gradient_surrogate": 0.0,
-        "softmax_scale": None,
-    }
-    given = sorted(k for k, v in options.items() if v != defaults.get(k, object()))
-    given += sorted(map_kwargs or {})
+        return resolve_attention(attention, head_dim, map_kwargs, options)
+    given = sorted({**(options or {}), **(map_kwargs or {})})
     if given:
         raise ValueError(
             f"attention is an AttentionSpec: {given} are part of the spec, not options beside it"
@@ -226,43 +268,84 @@ def _window_settings(kwargs: dict, window) -> tuple:
 
 def model_preset(name) -> ModelPreset | None:
     """The ``ModelPreset`` named ``name`` (``MODEL_PRESETS``), or None for any other name
-    (an attention preset, a feature map, softmax): how the layers outside ``nn`` (``convert``,
-    the CLI) ask whether a name carries a window branch."""
+    (an attention preset, a feature map, softmax)."""
     return MODEL_PRESETS.get(name) if isinstance(name, str) else None
+
+
+def _expand(name: str, map_kwargs: Mapping | None, options: Mapping):
+    """(attention name, map keywords, attention options, the preset's ``HybridSpec`` or None)
+    of ``name``: a model preset's attention, keywords and options under the user's (a user's
+    option of None is not given), or the name as it is."""
+    preset = model_preset(name)
+    opts = {k: v for k, v in options.items() if v is not None}
+    if preset is None:
+        return name, dict(map_kwargs or {}), opts, None
+    if opts.get("mixed"):
+        raise ValueError(
+            f"mixed=True changes the form of an attention; the model preset "
+            f"attention={name!r} sets its own ({preset.attention} beside a window)"
+        )
+    own = {"gradient_surrogate": preset.gradient_surrogate, "chunk_size": preset.chunk_size}
+    own = {k: v for k, v in own.items() if v is not None}
+    return preset.attention, {**preset.map_kwargs, **(map_kwargs or {})}, {**own, **opts}, \
+        preset.hybrid  # fmt: skip
+
+
+def _check_exact_beside_window(attention: str, name: str) -> None:
+    """A window branch goes beside a linear-time attention only (ValueError for an exact one:
+    softmax, the window itself, exact polynomial attention)."""
+    form = _row(name).form
+    if form in ("softmax", "window", "polynomial"):
+        why = ("sees every key exactly" if form == "polynomial"
+               else "already sees the local keys exactly")  # fmt: skip
+        raise ValueError(
+            f"local_window adds an exact sliding-window branch beside a linear-time attention; "
+            f"attention={attention!r} {why}"
+        )
+
+
+def _check_far_window(spec: AttentionSpec, name: str, window: int | None) -> None:
+    """An attention that reads only the blocks before each query's own (mixed, no in-block
+    scores) needs an exact window of >= chunk_size keys beside it (ValueError naming the fix)."""
+    if spec.form != "mixed" or spec.local != "none":
+        return
+    b = spec.chunk_size
+    if window is not None and window >= b:
+        return
+    fix = (f"local_window >= {b}, or a model preset that carries one, e.g. "
+           "soft_hash_far_local_balanced" if window is None
+           else f"chunk_size <= {window}, or local_window >= {b}")  # fmt: skip
+    raise ValueError(
+        f"attention={name!r} reads only the blocks of chunk_size={b} before each query's own: "
+        f"it needs an exact window of >= chunk_size keys beside it, got local_window={window} "
+        f"({fix})"
+    )
 
 
 def resolve_model(config) -> ModelSpec:
     """A ``TransformerConfig``'s ``ModelSpec``: its attention (a model preset expanded, the
-    config's fields of the same meaning winning), the window branch beside it and the
-    attention's heads, per-head sizes and RoPE (``polysketch.nn.spec``). Raises ValueError /
-    TypeError naming the field when the combination is not one the model can run."""
-    preset = MODEL_PRESETS.get(config.attention)
-    name = config.attention if preset is None else preset.attention
-    base = HybridSpec(window=1) if preset is None else preset.hybrid  # window: placeholder
+    config's fields of the same meaning winning: every ``ATTENTION_OPTIONS`` field the config
+    has, by name), the window branch beside it and the attention's heads, per-head sizes and
+    RoPE (``polysketch.nn.spec``). Raises ValueError / TypeError naming the field when the
+    combination is not one the model can run."""
+    given = {k: getattr(config, k) for k in ATTENTION_OPTIONS if hasattr(config, k)}
+    name, map_kwargs, opts, base = _expand(config.attention, config.map_kwargs, given)
     window = config.local_window if config.local_window is not None else (
-        None if preset is None else base.window
+        None if base is None else base.window
     )  # fmt: skip
-    lam = config.gradient_surrogate
-    if lam is None:
-        lam = 0.0 if preset is None else preset.gradient_surrogate
-    map_kwargs = {**({} if preset is None else preset.map_kwargs), **config.map_kwargs}
+    base = HybridSpec(window=1) if base is None else base  # window: placeholder
     hybrid = None
     head_dim = config.n_embd // config.n_head
     if window is None:
-        global_fields = ("global_heads", "global_every", "global_rope", "global_out_init",
-                         "global_out_tied")  # fmt: skip
-        for field_name in global_fields:
+        for field_name in ("global_heads", "global_every", "global_rope", "global_out_init",
+                           "global_out_tied"):  # fmt: skip
             if getattr(config, field_name) is not None:
                 raise ValueError(_needs_window(field_name))
         if config.local_shared:
-            raise ValueError("local_shared=True needs a sliding-window branch (local_window)")
+            raise ValueError(_needs_window("local_shared"))
         heads, rope, value_dim = config.n_head, config.rope, config.value_dim
     else:
-        if name in ("softmax", "sliding_window"):
-            raise ValueError(
-                f"local_window adds a sliding-window branch beside a linear-time attention; "
-                f"attention={config.attention!r} already sees the local keys exactly"
-            )
+        _check_exact_beside_window(config.attention, name)
         pick = {  # the config's field where set, else the preset's
             "heads": config.global_heads if config.global_heads is not None else base.heads,
             "every": config.global_every if config.global_every is not None else base.every,
@@ -298,30 +381,108 @@ def resolve_model(config) -> ModelSpec:
     qk_dim = config.qk_dim
     if heads != config.n_head and qk_dim is None:  # the model's head dim, not n_embd / g
         qk_dim = head_dim
-    attention = resolve_attention(
-        name, qk_dim or config.n_embd // heads, map_kwargs, qk_norm=config.qk_norm,
-        mixed=config.mixed, window=config.window, learn_balance=config.learn_balance,
-        gradient_surrogate=lam,
-    )  # fmt: skip
-    if (
-        attention.form == "mixed"
-        and attention.local == "none"
-        and (window is None or window < config.chunk_size)
-    ):
-        fix = (
-            "a model preset that carries one, e.g. soft_hash_far_local_balanced"
-            if window is None
-            else f"chunk_size <= {window}, or local_window >= {config.chunk_size}"
-        )
-        raise ValueError(
-            f"attention={name!r} reads only the blocks of chunk_size={config.chunk_size} "
-            f"before each query's own: it needs an exact window of >= chunk_size keys beside "
-            f"it, got local_window={window} ({fix})"
-        )
-    local = None if hybrid is None else resolve_attention("sliding_window", head_dim,
-                                                            window=hybrid.window)  # fmt: skip
+    attention = resolve_attention(name, qk_dim or config.n_embd // heads, map_kwargs, opts)
+    _check_far_window(attention, name, window)
+    local = None
+    if hybrid is not None:
+        local = resolve_attention("sliding_window", head_dim, None,
+                                  {"window": hybrid.window, "chunk_size": attention.chunk_size})
     return ModelSpec(attention=attention, heads=heads, qk_dim=qk_dim, value_dim=value_dim,
                      rope=rope, hybrid=hybrid, window_attention=local)  # fmt: skip
+
+
+CONVERTED_DIFFERENCES = {
+    "global_heads": "a converted layer cannot add heads: the attention reads the model's own "
+    "q, k, v of query heads 0..g-1 (the others are the window alone; g above the model's query "
+    "heads is refused); by default, and for a model preset's heads, every query head",
+    "softmax_scale": "a converted layer's softmax scale is the model's own scaling of that "
+    "layer: refused when given",
+    "value_fraction": "the values are the model's own v of each head (a model preset's value "
+    "width does not apply)",
+    "global_out_init": "a converted layer has no output projection of its own (the model's "
+    "o_proj follows both branches): refused when given, a preset's is not applied",
+    "global_out_tied": "as global_out_init: refused when given, a preset's (the tied presets) "
+    "is not applied, so they convert as their untied form",
+    "local_shared": "the branches always share the model's projections (the shared form): "
+    "True is what it is, False is refused",
+    "global_rope": "the attention reads the model's rotated q, k: False is refused",
+}
+"""Where a converted layer (``resolve_converted``) differs from a ``TransformerLM`` layer of the
+same name and options, by design; every other (name, option) pair is accepted or refused
+alike (``tests/test_resolve_parity.py`` asserts both)."""
+
+
+def resolve_converted(
+    attention: str,
+    *,
+    head_dim: int,
+    num_heads: int,
+    scaling: float,
+    map_kwargs: Mapping | None = None,
+    options: Mapping | None = None,
+    branch: Mapping | None = None,
+    layer_index: int = 0,
+    n_layer: int = 1,
+) -> LayerSpec:
+    """What layer ``layer_index`` of a converted model computes: ``attention`` (a model preset,
+    an attention preset or a feature-map name) with the user's map keywords, attention
+    options (``ATTENTION_OPTIONS``) and window-branch options (``branch``: ``local_window``,
+    ``global_heads``, ``global_every`` and the others of ``HYBRID_OPTIONS`` by
+    ``CONVERTED_DIFFERENCES``), on a layer of ``num_heads`` query heads of ``head_dim`` whose
+    softmax scale is ``scaling`` (the model's; maps whose target is exp(s·q·k) get it as
+    their ``scale``, the window's softmax too).
+
+    A model preset is expanded as ``resolve_model`` expands it (its map keywords, λ, block
+    and window, under the user's). A layer that ``global_every`` leaves without the attention
+    computes the window alone. Raises ValueError / TypeError naming the option for what a
+    converted layer cannot compute."""
+    opts = check_options(options)
+    branch = check_options(branch, HYBRID_OPTIONS, "window-branch")
+    for key in ("local_window", "global_heads", "global_every"):
+        if branch.get(key) is not None:
+            check_positive_int(branch[key], key)
+    if opts.get("softmax_scale") is not None:
+        raise ValueError("softmax_scale of a converted layer is the model's own scaling")
+    name, kwargs, opts, base = _expand(attention, map_kwargs, opts)
+    for key in ("global_out_init", "global_out_tied"):
+        if branch.get(key) is not None:
+            raise ValueError(f"{key}: {CONVERTED_DIFFERENCES[key]}")
+    if branch.get("local_shared") is False:
+        raise ValueError(f"local_shared=False: {CONVERTED_DIFFERENCES['local_shared']}")
+    rope = branch.get("global_rope", None if base is None else base.rope)
+    if rope is False:
+        raise ValueError(f"global_rope=False: {CONVERTED_DIFFERENCES['global_rope']}")
+    window = branch.get("local_window")
+    if window is None and base is not None:
+        window = base.window
+    every = branch.get("global_every")
+    if every is None and base is not None:
+        every = base.every
+    heads = branch.get("global_heads")  # a preset's heads: every query head (module docstring)
+    if window is None:
+        for key in ("global_heads", "global_every", "global_rope"):
+            if branch.get(key) is not None:
+                raise ValueError(_needs_window(key))
+        if branch.get("local_shared"):
+            raise ValueError(_needs_window("local_shared"))
+    else:
+        HybridSpec(window=window, heads=heads, every=every)  # checks the values
+        _check_exact_beside_window(attention, name)
+        if every is not None and every > n_layer:
+            raise ValueError(f"global_every={every} > the model's {n_layer} layers leaves no "
+                             "layer with the global attention")  # fmt: skip
+        if heads is not None and heads > num_heads:
+            raise ValueError(f"global_heads={heads} > the model's {num_heads} query heads")
+    spec = resolve_attention(name, head_dim, kwargs, {**opts, "softmax_scale": float(scaling)})
+    _check_far_window(spec, attention, window)
+    if window is None:
+        return LayerSpec(attention=spec)
+    local = resolve_attention("sliding_window", head_dim, None,
+                              {"window": window, "chunk_size": spec.chunk_size,
+                               "softmax_scale": float(scaling)})  # fmt: skip
+    if every is not None and (layer_index + 1) % every:  # global_every: the window alone
+        return LayerSpec(attention=local)
+    return LayerSpec(attention=spec, window_attention=local, global_heads=heads)
 
 
 def _needs_window(field_name: str) -> str:
@@ -333,17 +494,17 @@ def _needs_window(field_name: str) -> str:
         "sliding-window branch",
         "global_out_tied": "ties the initial output projection of the attention beside a "
         "sliding-window branch to its values",
-    }[field_name]
-    return f"{field_name} {what}: it needs local_window"
+    }
+    if field_name == "local_shared":
+        return "local_shared=True needs a sliding-window branch (local_window)"
+    return f"{field_name} {what[field_name]}: it needs local_window"
 
 
 # ----- the text form: NAME[:key=value,...] -------------------------------------------------------
-MODEL_KEYS = (
-    "qk_dim", "value_dim", "short_conv", "chunk_size", "qk_norm", "rope", "mixed",
-    "learn_balance", "window", "local_window", "local_shared", "global_heads", "global_every",
-    "global_rope", "global_out_init", "global_out_tied", "gradient_surrogate", "recompute",
-)  # fmt: skip
-"""Keys of a text spec that configure the model (``TransformerConfig``) rather than the map."""
+MODEL_KEYS = ("qk_dim", "value_dim", "short_conv", "rope", "recompute", *ATTENTION_OPTIONS,
+              *HYBRID_OPTIONS)  # fmt: skip
+"""Keys of a text spec that configure the model (``TransformerConfig``) rather than the map:
+its structure, the attention options and the window branch's."""
 
 
 def parse_attention(spec: str) -> tuple[str, dict, dict]:
@@ -403,12 +564,9 @@ def config_options(spec: str, **defaults) -> dict:
 
 
 def preset_chunk_size(spec: str) -> int | None:
-    """The block length ``chunk_size`` of a text spec: its own ``chunk_size=`` option, else
+    """The block length ``chunk_size`` a text spec sets: its own ``chunk_size=`` option, else
     the one its model preset carries (``ModelPreset.chunk_size``: soft_hash_far_local's
     attention reads only the blocks before each query's own, so its block may not exceed its
-    window), else None (the command's default applies)."""
+    window), else None (``DEFAULT_CHUNK_SIZE``, or a command's own, applies)."""
     name, model_opts, _ = parse_attention(spec)
-    if "chunk_size" in model_opts:
-        return model_opts["chunk_size"]
-    preset = model_preset(name)
-    return None if preset is None else preset.chunk_size
+    return _expand(name, None, {"chunk_size": model_opts.get("chunk_size")})[2].get("chunk_size")

@@ -23,6 +23,16 @@ preset tables (``polysketch.nn.presets``).
   the attention (``every``), RoPE on the attention's q/k, its per-head values, whether the
   branches share one projection, the scale of the attention's output projection at init.
 * ``ModelSpec``: a ``TransformerLM``'s attention and hybrid, with the per-head sizes resolved.
+* ``LayerSpec``: what one converted layer of a Hugging Face model computes (the model's own
+  projections): its attention, the exact window beside it, the query heads the attention
+  runs on (``polysketch.nn.resolve.resolve_converted``).
+
+**Options.** The fields of ``AttentionSpec`` marked as options (``OPTION_FIELDS``) are what a
+user may set beside a name, everywhere by the same keyword: ``TransformerConfig`` fields of the
+same name, ``KernelAttention(..., **options)``, ``convert(model, name, **options)``, a text
+spec's ``NAME:key=value``. ``ATTENTION_OPTIONS`` adds ``mixed`` (the mixed form with a map).
+Adding an option is: a field here (with ``_option``), its use where it acts, and a
+``TransformerConfig`` field for the command line (``docs/models.md``, "Adding an option").
 
 Each spec validates itself when built and converts to and from a plain dict
 (``to_dict``/``from_dict``), which is how checkpoints store it: a checkpoint keeps what its
@@ -39,7 +49,11 @@ from typing import Any
 from polysketch._checks import check_float
 
 __all__ = [
+    "ATTENTION_OPTIONS",
+    "DEFAULT_CHUNK_SIZE",
     "FORMS",
+    "LayerSpec",
+    "OPTION_FIELDS",
     "LOCAL_KERNELS",
     "WINDOW_KERNELS",
     "AttentionSpec",
@@ -49,6 +63,10 @@ __all__ = [
 ]
 
 FORMS = ("linear", "mixed", "window", "softmax", "polynomial")
+DEFAULT_CHUNK_SIZE = 64
+"""The block ``chunk_size`` of a model's attention when neither its name (a model preset's
+``chunk_size``) nor the user sets one: ``TransformerLM``, ``KernelAttention``, ``convert``, the
+commands. (The ops, ``polysketch.ops.linear_attention``, keep the paper's 256 as their own.)"""
 LOCAL_KERNELS = ("polynomial", "relu", "none")
 WINDOW_KERNELS = ("softmax", "polynomial")
 
@@ -92,6 +110,11 @@ def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return mapping if isinstance(mapping, FrozenMap) else FrozenMap(mapping)
 
 
+def _option(default, help: str):
+    """A field a user may set beside an attention name (``OPTION_FIELDS``)."""
+    return field(default=default, metadata={"option": help})
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """What one attention core computes (module docstring). Built by ``resolve_attention``.
@@ -105,22 +128,30 @@ class AttentionSpec:
     ``learn_balance`` (mixed: a learned per-head weight of the far blocks), and
     ``gradient_surrogate`` (λ of a training-only gradient of mixed attention without in-block
     scores, exactly 0 in value; ``AttentionCore``), ``softmax_scale`` (the scale of softmax
-    scores, exact or windowed; None: 1/√D).
+    scores, exact or windowed; None: 1/√D), ``chunk_size`` (the block b of the block
+    algorithm and of the mixed form's blocks).
     """
 
     name: str
     form: str
     feature_map: str | None = None
     map_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    qk_norm: bool = False
-    denominator_offset: float = 0.0
+    qk_norm: bool = _option(False, "LayerNorm on q and k (default: the attention's)")
+    denominator_offset: float = _option(
+        0.0, "added to the normalizer (default: 1 for polynomial kernels, else 0)")
     degree: int = 4
     local: str = "polynomial"
-    window: int | None = None
+    window: int | None = _option(
+        None, "keys each query sees with attention=sliding_window (itself included)")
     window_kernel: str = "softmax"
-    learn_balance: bool = False
-    gradient_surrogate: float = 0.0
-    softmax_scale: float | None = None
+    learn_balance: bool = _option(
+        False, "mixed attention: a learned per-head weight of the far blocks")
+    gradient_surrogate: float = _option(
+        0.0, "λ of the training-only surrogate gradient of attention without in-block scores")
+    softmax_scale: float | None = _option(
+        None, "scale of softmax scores and of softmax-kernel maps (default: 1/√D)")
+    chunk_size: int = _option(
+        DEFAULT_CHUNK_SIZE, "block of the chunked algorithm and of mixed blocks")
 
     def __post_init__(self):
         object.__setattr__(self, "map_kwargs", _frozen(self.map_kwargs))
@@ -151,6 +182,9 @@ class AttentionSpec:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
         if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 1:
             raise ValueError(f"degree must be an int >= 1, got {self.degree!r}")
+        b = self.chunk_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {b!r}")
         for name in ("qk_norm", "learn_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -330,6 +364,68 @@ class ModelSpec:
             "hybrid": None if hybrid is None else HybridSpec.from_dict(hybrid),
             "window_attention": None if window is None else AttentionSpec.from_dict(window),
         })  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one converted layer computes (``polysketch.nn.resolve.resolve_converted``): the
+    model's own q/k/v/o projections and RoPE, then
+
+        O_h = W_h + G_h,
+
+    W_h the exact ``window_attention`` over the last w keys (none: W = 0) on every query head,
+    G_h ``attention`` on query heads h < ``global_heads`` (None: every head; G_h = 0 beyond).
+    ``attention`` carries the layer's own softmax scale (the model's ``scaling``, which may
+    differ by layer). A converted model's ``config.json`` stores one per layer.
+    """
+
+    attention: AttentionSpec
+    window_attention: AttentionSpec | None = None
+    global_heads: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.attention, AttentionSpec):
+            raise TypeError(f"attention must be an AttentionSpec, got {self.attention!r}")
+        w = self.window_attention
+        if w is not None and (not isinstance(w, AttentionSpec) or w.form != "window"):
+            raise ValueError(f"window_attention must be a window-form AttentionSpec, got {w!r}")
+        g = self.global_heads
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"global_heads must be an int >= 1 or None, got {g!r}")
+        if g is not None and w is None:
+            raise ValueError("global_heads sets the heads of the attention beside a "
+                             "sliding-window branch: it needs local_window")  # fmt: skip
+
+    def to_dict(self) -> dict:
+        w = self.window_attention
+        return {"attention": self.attention.to_dict(),
+                "window_attention": None if w is None else w.to_dict(),
+                "global_heads": self.global_heads}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerSpec:
+        data = _known(cls, data, "LayerSpec")
+        w = data.get("window_attention")
+        return cls(attention=AttentionSpec.from_dict(data["attention"]),
+                   window_attention=None if w is None else AttentionSpec.from_dict(w),
+                   global_heads=data.get("global_heads"))  # fmt: skip
+
+
+OPTION_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(AttentionSpec) if "option" in f.metadata
+)
+"""The ``AttentionSpec`` fields a user may set beside a name (module docstring)."""
+
+ATTENTION_OPTIONS: tuple[str, ...] = (*OPTION_FIELDS, "mixed")
+"""Every attention option a name takes: ``OPTION_FIELDS`` and ``mixed`` (a feature map's
+mixed form: exact local blocks, the map before them; sets ``form``)."""
+
+
+def option_help(name: str) -> str:
+    """The one-line help of attention option ``name`` (for the command line)."""
+    if name == "mixed":
+        return "mixed attention with the feature map (exact local blocks, psf_mixed's form)"
+    return next(f.metadata["option"] for f in fields(AttentionSpec) if f.name == name)
 
 
 def _known(cls, data: Mapping[str, Any], what: str) -> dict:

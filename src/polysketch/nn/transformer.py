@@ -60,7 +60,10 @@ class TransformerConfig:
         "(polysketch.nn.valid_model_attentions())",
     )  # fmt: skip
     map_kwargs: dict = documented(default_factory=dict, help="keywords of the feature map")
-    chunk_size: int = documented(64, help="block of the chunked algorithm and of mixed blocks")
+    chunk_size: int | None = documented(
+        None, help="block of the chunked algorithm and of mixed blocks (default: the model "
+        "preset's, else 64: polysketch.nn.DEFAULT_CHUNK_SIZE)",
+    )  # fmt: skip
     rope: bool = documented(True, help="rotary position embeddings on q and k")
     ffn_hidden: int | None = documented(
         None, help="hidden size of the GLU feed-forward (default ≈ 8/3 · n_embd, a multiple of 8)"
@@ -78,6 +81,9 @@ class TransformerConfig:
         0, help="causal depthwise convolution of K taps on q, k, v (BASED / Zoology); 0 = off"
     )
     qk_norm: bool | None = documented(None, help="LayerNorm on q and k (default: the attention's)")
+    denominator_offset: float | None = documented(
+        None, help="added to the normalizer (default: 1 for polynomial kernels, else 0)"
+    )
     mixed: bool = documented(
         False, help="mixed attention with the feature map (exact local blocks, psf_mixed's form)"
     )
@@ -91,6 +97,10 @@ class TransformerConfig:
     window: int | None = documented(
         None, help="keys each query sees with attention=sliding_window (itself included)"
     )
+    softmax_scale: float | None = documented(
+        None, help="scale of softmax scores and of softmax-kernel maps' targets (default: "
+        "1/sqrt(D))",
+    )  # fmt: skip
     local_window: int | None = documented(
         None, help="an exact sliding-window softmax branch over the last W tokens beside the "
         "attention in every layer (own projections and normalizer; BASED's local + global)",
@@ -139,7 +149,7 @@ class TransformerConfig:
     def validate(self) -> TransformerConfig:
         """Raise ValueError/TypeError naming the bad field; return self. The attention's
         fields are checked together by resolving them (``resolve_model``)."""
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "chunk_size"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             check_positive_int(getattr(self, name), name)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -157,7 +167,7 @@ class TransformerConfig:
             raise ValueError("short_conv must be 0 (off) or a kernel size >= 2, got 1")
         if not isinstance(self.map_kwargs, dict):
             raise TypeError(f"map_kwargs must be a dict, got {type(self.map_kwargs).__name__}")
-        for name in ("window", "local_window", "global_heads", "global_every"):
+        for name in ("chunk_size", "window", "local_window", "global_heads", "global_every"):
             if getattr(self, name) is not None:
                 check_positive_int(getattr(self, name), name)
         for name in ("rope", "tie_embeddings", "mixed", "learn_balance", "recompute"):
@@ -231,8 +241,7 @@ class Block(nn.Module):
         super().__init__()
         # recompute: each core's own default (AttentionCore.checkpoint None: the linear, mixed
         # and window forms), or no core recomputes
-        layer = dict(causal=True, chunk_size=config.chunk_size, seed=config.seed,
-                     layer_index=layer_index,
+        layer = dict(causal=True, seed=config.seed, layer_index=layer_index,
                      checkpoint=None if config.recompute else False)  # fmt: skip
         hybrid = spec.hybrid
         # the order of the submodules is the order of the parameters, which the optimizer

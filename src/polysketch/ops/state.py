@@ -14,12 +14,11 @@ F' = F. Squared scores (φq·φk)²: Ψ = ψ, the symmetric pair features of ``p
 Entry (a, d) of a square state is the symmetric part of the dense Σ φk⊗φk⊗v at (a, a+d mod F)
 (``polysketch.ops.pairs.compress``). The layout is the one every backend computes in (the
 pair features are how the kernels form squared scores), so no backend converts states; it
-halves decode memory against the dense F×F layout of earlier releases (r = 32, E = 64, fp32:
-141 KB per head instead of 266 KB; ``dense_to_pair_state`` converts old states). The
-triangular layout F(F+1)/2 (528 at F = 32) would be 3% smaller, but its features are a gather:
-measured on this project's CPU (1 thread, B·H = 4, F = 32), 33 ms for a group of 8 blocks of
-256 tokens against 1.2 ms for ψ's strided view (28x), and 25 against 19 µs for one decoding
-token. The state size is independent of t: this replaces a KV cache.
+about halves decode memory against the dense F×F layout of earlier releases
+(``dense_to_pair_state`` converts old states). The triangular layout F(F+1)/2 would be
+slightly smaller, but its features are a gather, which costs more than ψ's strided view
+(measured: ``docs/results/implementation_choices.md``). The state size is independent of t:
+this replaces a KV cache.
 """
 
 from __future__ import annotations

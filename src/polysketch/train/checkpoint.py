@@ -393,8 +393,15 @@ def stored_spec(state: Mapping | None, path) -> ModelSpec | None:
 
     if state is None or state.get("model_spec") is None:
         return None
+    data = state["model_spec"]
+    block = (state.get("model_config") or {}).get("chunk_size")
+    if isinstance(data, Mapping) and block is not None:  # specs before 2026-12-07: the block
+        data = dict(data)  # was the config's, not the spec's: carried into both attentions
+        for key in ("attention", "window_attention"):
+            if isinstance(data.get(key), Mapping) and "chunk_size" not in data[key]:
+                data[key] = {**data[key], "chunk_size": block}
     try:
-        return ModelSpec.from_dict(state["model_spec"])
+        return ModelSpec.from_dict(data)
     except (TypeError, ValueError, KeyError) as err:
         raise CheckpointError(f"checkpoint {path}: its model_spec does not parse ({err})") from None
 

@@ -45,7 +45,7 @@ class DecodeBenchConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
-    chunk_size: int = 64
+    chunk_size: int | None = None  # None: what TransformerLM runs (a preset's own, else 64)
     vocab_size: int = 256
     tokens: int = 32
     warmup: int = 4
@@ -54,9 +54,10 @@ class DecodeBenchConfig:
     seed: int = 0
 
     def validate(self) -> DecodeBenchConfig:
-        for name in ("n_layer", "n_head", "n_embd", "chunk_size", "vocab_size", "tokens",
-                     "repeats"):  # fmt: skip
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "tokens", "repeats"):
             check_positive_int(getattr(self, name), name)
+        if self.chunk_size is not None:
+            check_positive_int(self.chunk_size, "chunk_size")
         check_int(self.warmup, "warmup", minimum=0)
         for p in self.positions:
             check_positive_int(p, "positions")

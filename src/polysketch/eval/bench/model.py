@@ -36,6 +36,7 @@ from ..._files import write_csv
 from ..._malloc import holds_freed_memory
 from ...nn import TransformerConfig, TransformerLM
 from ...nn.resolve import config_options, parse_attention, preset_chunk_size
+from ...nn.spec import DEFAULT_CHUNK_SIZE
 from ..plots import log_axes, save_png, subplots
 from .attention import parse_lengths
 from .report import _fmt
@@ -58,8 +59,6 @@ MODEL_FIELDS = (
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """``torch.compile``'s modes (``ModelBenchConfig.compile_mode``)."""
 
-DEFAULT_CHUNK = 256
-"""The block length b of attentions without one of their own (PolySketchFormer's 256)."""
 
 CPU_CONTEXTS = (1024, 2048, 4096, 8192)
 CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -74,7 +73,7 @@ class ModelBenchConfig:
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
-    chunk_size: int | None = None  # None: the preset's own (``chunk_for``), else DEFAULT_CHUNK
+    chunk_size: int | None = None  # None: what TransformerLM runs (``chunk_for``)
     batch: int = 1
     amp: str | None = None  # "bf16": autocast (the default on CUDA)
     compile: str | None = None  # a torch.compile backend
@@ -119,14 +118,14 @@ class ModelBenchConfig:
 
     def chunk_for(self, attention: str) -> int:
         """The block length ``attention`` runs with: the spec's ``chunk_size=``, else
-        ``chunk_size`` when given, else the model preset's own (``preset_chunk_size``: e.g.
-        soft_hash_far_local's 64, which its window needs), else ``DEFAULT_CHUNK``."""
+        ``chunk_size`` when given, else what a ``TransformerLM`` of it runs (a model preset's
+        own block, ``preset_chunk_size``, else ``polysketch.nn.DEFAULT_CHUNK_SIZE``)."""
         name, model_opts, _ = parse_attention(attention)
         if "chunk_size" in model_opts:
             return model_opts["chunk_size"]
         if self.chunk_size is not None:
             return self.chunk_size
-        return preset_chunk_size(attention) or DEFAULT_CHUNK
+        return preset_chunk_size(attention) or DEFAULT_CHUNK_SIZE
 
 
 def _model_config(cfg: ModelBenchConfig, attention: str, t: int) -> TransformerConfig:

@@ -53,8 +53,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..._checks import assert_on_device, check_int, check_positive_int
 from ...nn.cache import ParallelCache
 from ...nn.core import AttentionCore
-from ...nn.resolve import as_spec, resolve_attention
-from ...nn.spec import AttentionSpec
+from ...nn.resolve import resolve_converted, split_options
+from ...nn.spec import LayerSpec
 
 __all__ = ["ATTENTION_NAME", "PolysketchAttention", "polysketch_attention_forward"]
 
@@ -65,94 +65,51 @@ ATTENTION_NAME = "polysketch"
 class PolysketchAttention(AttentionCore):
     """Per-layer kernelized attention core: (B, H, T, D) q, k, v -> (B, H, T, D).
 
-    An ``AttentionCore`` (``polysketch.nn.core``: presets, feature maps, precision policy,
-    caches, padding) plus the q/k LayerNorm applied to the model's rotated q, k and the
-    attention-transfer mode.
+    An ``AttentionCore`` (``polysketch.nn.core``: feature maps, precision policy, caches,
+    padding) plus the q/k LayerNorm applied to the model's rotated q, k and the
+    attention-transfer mode, built from a ``LayerSpec`` (``polysketch.nn.spec``;
+    ``polysketch.nn.resolve.resolve_converted`` makes it from a name and options):
+
+        O_h = W_h + G_h      (then the model's o_proj, as for any converted layer)
+
+    W_h the exact sliding-window softmax over the last w keys on every query head
+    (``spec.window_attention``, the model's ``scaling``; none: W = 0), G_h ``spec.attention``
+    (its own q/k LayerNorm, feature map and normalizer) on query heads h < g
+    (``spec.global_heads``; None: every head). Each branch keeps its own normalizer (BASED's
+    local + global sum, as the model presets train), so at conversion the layer is no longer
+    the model's softmax: attention transfer trains the global branch's LayerNorms and
+    learnable map to match it, and the fine-tune the rest. The q/k LayerNorm acts on the
+    global branch only.
 
     Args:
-        attention: ``"softmax"``, ``"polynomial"``, a preset (``psf_random``, ``psf_learned``,
-            ``psf_mixed``, ``sliding_window``) or a ``polysketch.features.available()`` name,
-            resolved here with the options below (``polysketch.nn.resolve``); or an
-            ``AttentionSpec`` resolved already (``scaling`` is then the spec's).
-        head_dim: D. num_heads: H (query heads). layer_index: seeds head maps.
-        scaling: the model's softmax scale (maps whose target is exp(scale·q·k), softmax
-            random features and ``hedgehog``, get it as ``scale``; the window's softmax too).
-        chunk_size: block of the chunked algorithm and of the mixed local blocks.
-        qk_norm, denominator_offset: ``None`` = the preset / map default.
+        spec: what the layer computes (a ``LayerSpec``).
+        head_dim: D. num_heads: H (the model's query heads). layer_index: seeds head maps.
         seed: base seed of the per-head maps.
-        mixed: with a feature-map name, use psf_mixed's form with that map: exact
-            (q·k)^degree inside blocks of ``chunk_size`` (degree = the map's ``degree``, else
-            4), the map for earlier blocks (``ops.mixed_attention``), e.g. a learnable map.
-            A ``degree=`` the map does not take (``hedgehog``) is the local degree only.
-            ``qk_norm`` / ``denominator_offset`` of None become psf_mixed's (LayerNorm on q
-            and k, 1 + Σ): the exact local polynomial needs normalized q, k.
-        learn_balance, window: as ``AttentionCore``.
-        gradient_surrogate: λ of the training-only surrogate gradient (``AttentionCore``;
-            attentions without in-block scores only, e.g. soft_hash_far).
-        local_window: w > 0 adds an exact sliding-window softmax branch over the last w keys
-            (the model's ``scaling``) on every query head, summed with this attention
-            (``hybrid``: the model presets' form in a converted layer); None: no branch.
-        global_heads: with ``local_window``, this attention runs on query heads 0..g-1 only
-            (None: every head); the window runs on all of them.
-        **map_kwargs: keywords of the feature map.
 
-    With a window the output of query head h is W_h + G_h (G_h = 0 for h >= g), the q/k
-    LayerNorm acting on the global branch only; ``new_state`` is then a
-    ``polysketch.nn.cache.ParallelCache`` (``far``: this attention's, ``local``: the window's)
-    and ``decode_state_size`` counts both.
+    ``new_state`` is, with a window, a ``polysketch.nn.cache.ParallelCache`` (``far``: this
+    attention's, ``local``: the window's), and ``decode_state_size`` counts both.
     """
 
-    def __init__(
-        self,
-        attention: str | AttentionSpec,
-        *,
-        head_dim: int,
-        num_heads: int,
-        layer_index: int,
-        scaling: float,
-        chunk_size: int = 64,
-        qk_norm: bool | None = None,
-        denominator_offset: float | None = None,
-        seed: int = 0,
-        mixed: bool = False,
-        learn_balance: bool = False,
-        window: int | None = None,
-        gradient_surrogate: float = 0.0,
-        local_window: int | None = None,
-        global_heads: int | None = None,
-        **map_kwargs,
-    ):
+    def __init__(self, spec: LayerSpec, *, head_dim: int, num_heads: int, layer_index: int,
+                 seed: int = 0):  # fmt: skip
+        if not isinstance(spec, LayerSpec):
+            raise TypeError(f"spec must be a LayerSpec (polysketch.nn.resolve."
+                            f"resolve_converted), got {type(spec).__name__}")  # fmt: skip
         head_dim = check_positive_int(head_dim, "head_dim")
         num_heads = check_positive_int(num_heads, "num_heads")
         layer_index = check_int(layer_index, "layer_index", minimum=0)
-        spec = as_spec(
-            attention, head_dim, map_kwargs, qk_norm=qk_norm,
-            denominator_offset=denominator_offset, mixed=mixed, window=window,
-            learn_balance=learn_balance, gradient_surrogate=gradient_surrogate,
-            softmax_scale=None if isinstance(attention, AttentionSpec) else float(scaling),
-        )  # fmt: skip
-        heads = num_heads
-        if global_heads is not None:
-            if local_window is None:
-                raise ValueError("global_heads needs local_window (a window branch beside it)")
-            heads = check_positive_int(global_heads, "global_heads")
-            if heads > num_heads:
-                raise ValueError(f"global_heads={heads} > the model's {num_heads} query heads")
-        super().__init__(
-            spec, qk_dim=head_dim, num_heads=heads, causal=True, chunk_size=chunk_size,
-            seed=seed, layer_index=layer_index,
-        )  # fmt: skip
+        heads = num_heads if spec.global_heads is None else spec.global_heads
+        if heads > num_heads:
+            raise ValueError(f"global_heads={heads} > the model's {num_heads} query heads")
+        super().__init__(spec.attention, qk_dim=head_dim, num_heads=heads, causal=True,
+                         seed=seed, layer_index=layer_index)  # fmt: skip
+        self.layer_spec = spec
         self.total_heads = num_heads  # the model's query heads (num_heads: the global ones)
-        self.local_attn = None  # the window branch (see hybrid)
-        if local_window is not None:
-            if self.form in ("softmax", "polynomial", "window"):
-                raise ValueError(f"local_window adds a window beside a linear-time attention, "
-                                 f"not beside attention={self.attention!r}")  # fmt: skip
-            local = resolve_attention("sliding_window", head_dim, window=local_window,
-                                      softmax_scale=float(scaling))  # fmt: skip
+        self.local_attn = None  # the window branch
+        if spec.window_attention is not None:
             self.local_attn = AttentionCore(
-                local, qk_dim=head_dim, num_heads=num_heads, causal=True,
-                chunk_size=chunk_size, seed=seed, layer_index=layer_index,
+                spec.window_attention, qk_dim=head_dim, num_heads=num_heads, causal=True,
+                seed=seed, layer_index=layer_index,
             )  # fmt: skip
         self.head_dim = self.qk_dim
         self.q_norm = nn.LayerNorm(self.head_dim) if self.spec.qk_norm else None
@@ -163,6 +120,23 @@ class PolysketchAttention(AttentionCore):
         # one slot that PolysketchCacheLayer.update fills and the attention function empties
         # (a list, so handing the cache over is no nn.Module.__setattr__ at every token)
         self._active_cache: list = [None]
+
+    @classmethod
+    def from_name(cls, attention: str, *, head_dim: int, num_heads: int, layer_index: int = 0,
+                  scaling: float | None = None, seed: int = 0, n_layer: int = 1,
+                  **options) -> PolysketchAttention:  # fmt: skip
+        """The layer ``convert`` builds for ``attention`` and ``options`` (its keywords, split
+        by ``polysketch.nn.resolve.split_options``; ``resolve_converted``), on a layer of
+        ``num_heads`` query heads of ``head_dim`` with softmax scale ``scaling`` (default
+        1/√D)."""
+        opts, branch, maps = split_options(options, hybrid=True)
+        spec = resolve_converted(
+            attention, head_dim=head_dim, num_heads=num_heads,
+            scaling=head_dim**-0.5 if scaling is None else scaling, map_kwargs=maps,
+            options=opts, branch=branch, layer_index=layer_index, n_layer=n_layer,
+        )  # fmt: skip
+        return cls(spec, head_dim=head_dim, num_heads=num_heads, layer_index=layer_index,
+                   seed=seed)  # fmt: skip
 
     @property
     def uses_state_cache(self) -> bool:

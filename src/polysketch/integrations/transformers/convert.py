@@ -11,8 +11,9 @@ their head size): Llama, Qwen2, Mistral (``self_attn``, ``head_dim``), GPT-NeoX
    GQA layout stay the model's own;
 2. switches ``config._attn_implementation`` to ``"polysketch"`` (registered attention
    function, see ``attention.py``);
-3. stores the settings in ``config.polysketch`` so ``load_converted(path)`` rebuilds the
-   modules after ``from_pretrained`` and loads their tensors from the checkpoint;
+3. stores the settings in ``config.polysketch`` (each layer's ``LayerSpec``, resolved by
+   ``polysketch.nn.resolve``) so ``load_converted(path)`` rebuilds the modules after
+   ``from_pretrained`` and loads their tensors from the checkpoint;
 4. makes ``generate`` decode from a ``PolysketchCache`` (constant-size state) by default,
    and refuses, before computing anything, a cache the attention cannot decode with
    (``cache.check_cache``: static, sliding, quantized, ...);
@@ -36,10 +37,10 @@ import torch
 from torch import nn
 
 from ..._checks import check_int, check_positive_int
-from ...nn.resolve import valid_model_attentions
+from ...nn.resolve import HYBRID_OPTIONS, resolve_converted, split_options
+from ...nn.spec import ATTENTION_OPTIONS, LayerSpec
 from .attention import ATTENTION_NAME, PolysketchAttention
 from .cache import PolysketchCache, check_cache
-from .hybrid import ConvertedAttention, resolve_converted
 from .policies import check_policies, configured_window, install_cache_guards, register
 from .positions import install_position_ids
 
@@ -120,89 +121,27 @@ def polysketch_settings(model: nn.Module) -> dict | None:
     return dict(settings) if settings else None
 
 
-def _check_settings(
-    attention,
-    chunk_size,
-    seed,
-    qk_norm,
-    denominator_offset,
-    mixed,
-    map_kwargs,
-    *,
-    learn_balance=False,
-    window=None,
-    local_window=None,
-    global_heads=None,
-    gradient_surrogate=None,
-    sliding_window="refuse",
-    softcap="refuse",
-) -> tuple[dict, ConvertedAttention]:
-    """The settings ``convert`` stores (concrete: a model preset's window, block and λ
-    resolved) and what each layer computes (``hybrid.resolve_converted``), checked."""
-    if not isinstance(attention, str):
-        raise TypeError(f"attention must be a string, got {type(attention).__name__}")
-    if attention not in valid_model_attentions():
-        raise ValueError(f"attention must be one of {valid_model_attentions()}, got {attention!r}")
-    for name, flag in (("mixed", mixed), ("learn_balance", learn_balance)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    for name, value in (("window", window), ("local_window", local_window),
-                        ("global_heads", global_heads)):  # fmt: skip
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    if qk_norm is not None and not isinstance(qk_norm, bool):
-        raise TypeError(f"qk_norm must be a bool or None, got {type(qk_norm).__name__}")
-    if denominator_offset is not None:
-        if isinstance(denominator_offset, bool) or not isinstance(denominator_offset, (int, float)):
-            raise TypeError("denominator_offset must be a float or None")
-        denominator_offset = float(denominator_offset)
+SETTINGS_FORMAT = 2
+"""``config.polysketch["format"]``: 2 stores each layer's ``LayerSpec`` (``layers``); settings
+without it (format 1, before 2026-12-07) are the keywords convert was called with."""
+
+
+def _json(value, what: str):
     try:
-        json.dumps(map_kwargs)
+        json.dumps(value)
     except TypeError as err:
-        raise TypeError(
-            f"map_kwargs must be JSON-serializable (saved in config.json): {err}"
-        ) from None
-    layer = resolve_converted(
-        attention, chunk_size=chunk_size, local_window=local_window, global_heads=global_heads,
-        gradient_surrogate=gradient_surrogate, mixed=mixed, window=window,
-        map_kwargs=map_kwargs,
-    )  # fmt: skip
-    settings = {
-        "attention": attention,
-        "chunk_size": layer.chunk_size,
-        "seed": check_int(seed, "seed", minimum=0),
-        "qk_norm": qk_norm,
-        "denominator_offset": denominator_offset,
-        "mixed": mixed,
-        "learn_balance": learn_balance,
-        "window": window,
-        "local_window": layer.local_window,
-        "global_heads": layer.global_heads,
-        "gradient_surrogate": layer.gradient_surrogate,
-        "sliding_window": sliding_window,
-        "softcap": softcap,
-        "map_kwargs": dict(map_kwargs),
-    }
-    return settings, layer
+        raise TypeError(f"{what} must be JSON-serializable (saved in config.json): {err}") from None
+    return value
 
 
 def convert(
     model: nn.Module,
     attention: str = "psf_mixed",
     *,
-    chunk_size: int | None = None,
     seed: int = 0,
-    qk_norm: bool | None = None,
-    denominator_offset: float | None = None,
-    mixed: bool = False,
-    learn_balance: bool = False,
-    window: int | None = None,
-    local_window: int | None = None,
-    global_heads: int | None = None,
-    gradient_surrogate: float | None = None,
     sliding_window: str = "refuse",
     softcap: str = "refuse",
-    **map_kwargs,
+    **options,
 ) -> nn.Module:
     """Replace the self-attention of ``model`` (in place) by polysketch attention; returns it.
 
@@ -213,71 +152,85 @@ def convert(
             ``"polynomial"``, ``psf_random``, ``psf_learned``, ``psf_mixed`` (default), the
             other attention presets (``polysketch.nn.PRESETS``), any
             ``polysketch.features.available()`` name, or a model preset
-            (``soft_hash_local``, ``soft_hash_far_local``: its attention beside an exact
-            sliding-window softmax branch in every layer, ``hybrid``).
-        chunk_size: block of the chunked algorithm and of the mixed forms' blocks (None: a
-            model preset's own, else 64).
+            (``soft_hash_local``, ``soft_hash_far_local_balanced``, ...: its attention beside
+            an exact sliding-window softmax branch in every layer).
         seed: base seed of the per-layer, per-head feature maps.
-        qk_norm: trainable LayerNorm on q and k per head (None: on for polynomial kernels and
-            presets, off for softmax and softmax random features, which use the model's
-            ``scaling`` as their temperature).
-        denominator_offset: the normalizer's offset (None: 1 for polynomial kernels, else 0).
-        mixed: with a feature-map name, psf_mixed's form with that map: exact (q·k)^degree
-            inside blocks of ``chunk_size``, the map (e.g. a learnable one) for earlier blocks.
-        learn_balance: mixed attention's learned per-head balance (``polysketch.nn.core``).
-        window: w of ``attention="sliding_window"`` (exact attention over the last w keys).
-        local_window: an exact sliding-window softmax branch over the last w keys beside the
-            attention, outputs summed per head (``hybrid``; None: a model preset's own, else
-            none). Required by ``soft_hash_far`` (w >= chunk_size), which reads only the
-            blocks before each query's own.
-        global_heads: with a window branch, the attention runs on query heads 0..g-1 only
-            (None: every head; ``hybrid``).
-        gradient_surrogate: λ of the training-only surrogate gradient of ``soft_hash_far``
-            (exactly 0 in value; None: a model preset's own, else 0).
         sliding_window: what happens to a model's sliding window (Mistral, Qwen3, Phi-3,
             Gemma): ``"refuse"`` (default: ValueError) or ``"full"`` (every layer attends to
             all earlier tokens); see ``policies``. ``softmax`` keeps the window regardless.
         softcap: what happens to attention logit soft-capping (Gemma-2) in kernelized
             modes: ``"refuse"`` (default) or ``"drop"``; ``softmax`` keeps it exactly.
-        **map_kwargs: keywords of the feature map (e.g. ``num_features=64``).
+        **options: by name, as ``TransformerConfig`` takes them
+            (``polysketch.nn.resolve.split_options``): the attention options
+            (``polysketch.nn.ATTENTION_OPTIONS``: ``chunk_size`` (default: a model preset's,
+            else 64), ``qk_norm`` (default on for polynomial kernels and presets, off for
+            softmax and its random features, which use the model's ``scaling`` as their
+            temperature), ``denominator_offset``, ``mixed`` (a map's mixed form: exact
+            (q·k)^degree inside blocks, the map before them), ``learn_balance``,
+            ``gradient_surrogate``, ``window`` (w of ``sliding_window``)); the window
+            branch's (``local_window``: an exact sliding-window softmax over the last w keys
+            beside the attention, required by ``soft_hash_far`` with w >= chunk_size;
+            ``global_heads``: the attention on query heads 0..g-1 only; ``global_every``:
+            only every K-th layer has the attention, the others the window alone; where a
+            converted layer differs from a ``TransformerLM`` one:
+            ``polysketch.nn.resolve.CONVERTED_DIFFERENCES``); every other keyword goes to the
+            feature map (e.g. ``num_features=64``).
 
-    The new parameters (q/k norms, learnable maps) are created in the dtype and on the device
-    of the attention module's weights. A converted model can be converted again (the old
-    polysketch modules are replaced).
+    Each layer's ``LayerSpec`` (``polysketch.nn.resolve.resolve_converted``, the model's
+    ``scaling`` of that layer) is stored in ``config.polysketch["layers"]`` (saved in
+    config.json), from which ``load_converted`` rebuilds the layers. The new parameters (q/k
+    norms, learnable maps) are created in the dtype and on the device of the attention
+    module's weights. A converted model can be converted again (the old polysketch modules
+    are replaced).
     """
-    settings, layer = _check_settings(
-        attention, chunk_size, seed, qk_norm, denominator_offset, mixed, map_kwargs,
-        learn_balance=learn_balance, window=window, local_window=local_window,
-        global_heads=global_heads, gradient_surrogate=gradient_surrogate,
-        sliding_window=sliding_window, softcap=softcap,
-    )  # fmt: skip
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be a string, got {type(attention).__name__}")
+    seed = check_int(seed, "seed", minimum=0)
+    opts, branch, map_kwargs = split_options(options, hybrid=True)
+    _json(map_kwargs, "map_kwargs")
+    _json(opts, "options")
     modules = attention_modules(model)
     config = model.config.get_text_config(decoder=True)
-    check_policies(config, attention, sliding_window, softcap)
     num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
-    if layer.global_heads is not None and layer.global_heads > num_heads:
-        raise ValueError(f"global_heads={layer.global_heads} > the model's {num_heads} query heads")
+    specs = [
+        resolve_converted(
+            attention, head_dim=_head_dim(m), num_heads=num_heads,
+            scaling=float(getattr(m, "scaling", _head_dim(m) ** -0.5)), map_kwargs=map_kwargs,
+            options=opts, branch=branch, layer_index=m.layer_idx, n_layer=len(modules),
+        )  # fmt: skip
+        for m in modules
+    ]
+    check_policies(config, _main_attention(specs), sliding_window, softcap)
+    settings = {
+        "format": SETTINGS_FORMAT,
+        "attention": attention,
+        "options": {**opts, **branch},
+        "map_kwargs": dict(map_kwargs),
+        "seed": seed,
+        "sliding_window": sliding_window,
+        "softcap": softcap,
+        "layers": [spec.to_dict() for spec in specs],
+    }
+    _build(model, modules, specs, settings)
+    return model
+
+
+def _main_attention(specs: list[LayerSpec]):
+    """The attention the layers were converted to (a layer that ``global_every`` leaves to its
+    window alone computes the window's)."""
+    full = [s for s in specs if s.window_attention is not None]
+    return (full or specs)[0].attention
+
+
+def _build(model, modules, specs, settings) -> None:
+    """Attach each layer's ``PolysketchAttention`` and switch the model to it."""
+    config = model.config.get_text_config(decoder=True)
+    num_heads = check_positive_int(config.num_attention_heads, "config.num_attention_heads")
     register()
-    for module in modules:
+    for module, spec in zip(modules, specs, strict=True):
         ref = next(module.parameters())
-        core = PolysketchAttention(
-            layer.attention,
-            head_dim=_head_dim(module),
-            num_heads=num_heads,
-            layer_index=module.layer_idx,
-            scaling=float(getattr(module, "scaling", _head_dim(module) ** -0.5)),
-            chunk_size=layer.chunk_size,
-            qk_norm=settings["qk_norm"],
-            denominator_offset=settings["denominator_offset"],
-            seed=settings["seed"],
-            mixed=settings["mixed"],
-            learn_balance=settings["learn_balance"],
-            window=settings["window"],
-            gradient_surrogate=layer.gradient_surrogate,
-            local_window=layer.local_window,
-            global_heads=layer.global_heads,
-            **layer.map_kwargs,
-        )
+        core = PolysketchAttention(spec, head_dim=_head_dim(module), num_heads=num_heads,
+                                   layer_index=module.layer_idx, seed=settings["seed"])  # fmt: skip
         core.drop_softcap = settings["softcap"] == "drop"
         if "polysketch" in module._modules:
             del module._modules["polysketch"]
@@ -289,7 +242,6 @@ def convert(
     _install_generate_cache(model, modules[0].polysketch, configured_window(config) is not None)
     install_cache_guards(model, modules)
     install_position_ids(model)
-    return model
 
 
 def _install_generate_cache(model: nn.Module, core: PolysketchAttention, window: bool) -> None:
@@ -330,6 +282,16 @@ def _generate_cache_key() -> str:
 
     names = getattr(utils, "ALL_CACHE_NAMES", None)
     return names[0] if names else "past_key_values"
+
+
+def _format1_options(settings: dict, sliding_window, softcap) -> dict:
+    """``convert``'s keywords from settings stored before 2026-12-07 (format 1: the options
+    convert took, each written out, None where not given)."""
+    names = (*ATTENTION_OPTIONS, *HYBRID_OPTIONS)
+    out = {k: v for k, v in settings.items() if k in names and v is not None}
+    return {**out, **settings["map_kwargs"], "seed": settings["seed"],
+            "sliding_window": settings.get("sliding_window", sliding_window or "refuse"),
+            "softcap": settings.get("softcap", softcap or "refuse")}  # fmt: skip
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -418,23 +380,21 @@ def load_converted(
     settings = polysketch_settings(model)
     if settings is None:
         raise ValueError(f"{str(path)!r} holds no polysketch settings (config.{CONFIG_KEY})")
-    convert(
-        model,
-        settings["attention"],
-        chunk_size=settings["chunk_size"],
-        seed=settings["seed"],
-        qk_norm=settings["qk_norm"],
-        denominator_offset=settings["denominator_offset"],
-        mixed=settings.get("mixed", False),
-        learn_balance=settings.get("learn_balance", False),
-        window=settings.get("window"),
-        local_window=settings.get("local_window"),
-        global_heads=settings.get("global_heads"),
-        gradient_surrogate=settings.get("gradient_surrogate"),
-        sliding_window=settings.get("sliding_window", sliding_window or "refuse"),
-        softcap=settings.get("softcap", softcap or "refuse"),
-        **settings["map_kwargs"],
-    )
+    if settings.get("format", 1) >= 2:
+        specs = [LayerSpec.from_dict(d) for d in settings["layers"]]
+        modules = attention_modules(model)
+        if len(specs) != len(modules):
+            raise ValueError(f"{str(path)!r} stores {len(specs)} layer specs for a model of "
+                             f"{len(modules)} attention layers")  # fmt: skip
+        settings.setdefault("sliding_window", sliding_window or "refuse")
+        settings.setdefault("softcap", softcap or "refuse")
+        config = model.config.get_text_config(decoder=True)
+        check_policies(config, _main_attention(specs), settings["sliding_window"],
+                       settings["softcap"])  # fmt: skip
+        _build(model, modules, specs, settings)
+    else:  # format 1: the keywords convert was called with
+        convert(model, settings["attention"], **_format1_options(settings, sliding_window,
+                                                                 softcap))  # fmt: skip
     tensors = _checkpoint_tensors(path)
     expected = {k for k in model.state_dict() if ".polysketch." in k}
     missing = sorted(expected - set(tensors))

@@ -65,13 +65,15 @@ def configured_window(config) -> int | None:
     return window
 
 
-def check_policies(config, attention: str, sliding_window: str, softcap: str) -> None:
-    """Refuse (ValueError) what ``convert`` cannot do silently (module docstring)."""
+def check_policies(config, spec, sliding_window: str, softcap: str) -> None:
+    """Refuse (ValueError) what ``convert`` cannot do silently (module docstring); ``spec``:
+    the layers' ``AttentionSpec`` (softmax keeps the model's own attention)."""
+    attention = spec.name
     for name, value, choices in (("sliding_window", sliding_window, SLIDING_WINDOW_POLICIES),
                                  ("softcap", softcap, SOFTCAP_POLICIES)):  # fmt: skip
         if value not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    if attention == "softmax":
+    if spec.form == "softmax":
         return  # the model's own attention: windows and soft-capping kept exactly
     window = configured_window(config)
     if window is not None and sliding_window == "refuse":
